@@ -1,0 +1,23 @@
+"""tiercache: a memory-tiered KV cache for LLM generation.
+
+Public API: ``load_policy``, ``Policy``, ``TieredCache``, ``plan``, ``PolicyError``, ``CacheError``.
+``TieredCache`` and ``plan`` are imported lazily so that the torch-only parts load without
+transformers.
+"""
+
+from tiercache.errors import CacheError, PolicyError
+from tiercache.policy import Policy, load_policy
+
+__all__ = ["CacheError", "Policy", "PolicyError", "TieredCache", "load_policy", "plan"]
+
+
+def __getattr__(name):
+    if name == "TieredCache":
+        from tiercache.cache import TieredCache
+
+        return TieredCache
+    if name in ("plan", "Plan"):
+        from tiercache import planner
+
+        return getattr(planner, name)
+    raise AttributeError(f"module 'tiercache' has no attribute {name!r}")

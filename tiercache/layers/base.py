@@ -1,0 +1,116 @@
+"""The layer protocol: one attention layer's K/V store. Storage layers and processors share it.
+
+Tensors are ``[B, H, T, D]`` (batch, kv heads, tokens, head dim); keys and values may differ in D.
+
+Required
+    update(key, value) -> (keys, values)
+        Append ``T`` new tokens; return what attention must see, ``[B, H, S, D]``, already in
+        order. The returned tensors may be views of internal buffers: they are valid until the
+        next call on the same cache.
+    seq_length() -> int
+        Tokens seen so far (positions), including any a sliding layer has since dropped.
+    mask_sizes(query_length) -> (kv_length, kv_offset)
+        For the *next* update of ``query_length`` tokens: how many keys it returns and the
+        position of the first one (transformers' ``get_mask_sizes``).
+    crop(n)
+        Remove the last ``n`` tokens (``0 <= n <= seq_length()``). ``crop(0)`` lets a sliding
+        layer trim what it kept for a rollback back to its working size.
+    reorder(beam_idx) / select(indices) / repeat_interleave(repeats)
+        Batch-dimension operations: beam reorder (gather), batch select, batch repeat-interleave.
+    reset()
+        Drop everything; the layer is as new (it may re-learn shape, dtype and device).
+    kv() -> (keys, values) | None
+        What the layer holds now, ``[B, H, S, D]`` views, or None when empty. Processors read
+        the layer they wrap through this (never through its attributes).
+    nbytes() -> dict[place, int]
+        Bytes held now, per place (``"cpu"``, ``"cuda:0"``, ``"disk"``): allocated, not logical.
+
+Optional hooks (no-op defaults here)
+    prefetch()          start bringing the layer to the compute device (offload)
+    record_past(on)     keep tokens a sliding layer would drop until the next crop (assisted decoding)
+    close()             release files and buffers for good
+
+Class attributes: ``is_sliding``, ``is_compileable``, ``max_length()`` (-1 when unbounded).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from tiercache.errors import CacheError
+
+
+class KVLayer(ABC):
+    is_sliding: bool = False
+    is_compileable: bool = False
+
+    @abstractmethod
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def seq_length(self) -> int: ...
+
+    @abstractmethod
+    def mask_sizes(self, query_length: int) -> tuple[int, int]: ...
+
+    @abstractmethod
+    def crop(self, n: int) -> None: ...
+
+    @abstractmethod
+    def reorder(self, beam_idx: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def select(self, indices: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def repeat_interleave(self, repeats: int) -> None: ...
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    @abstractmethod
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    @abstractmethod
+    def nbytes(self) -> dict[str, int]: ...
+
+    def max_length(self) -> int:
+        return -1
+
+    def prefetch(self) -> None:
+        """Hook: begin moving this layer to the compute device ahead of use."""
+
+    def record_past(self, on: bool) -> None:
+        """Hook: keep tokens that would slide out until the next ``crop``."""
+
+    def close(self) -> None:
+        """Hook: release files and buffers for good."""
+
+
+def check_crop(n: int, seq_length: int) -> None:
+    """Validate a crop count against the tokens a layer has."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise CacheError(f"crop(n) needs an int n >= 0 (tokens to remove), got {n!r}")
+    if n > seq_length:
+        raise CacheError(f"cannot crop {n} tokens: the layer holds only {seq_length}")
+
+
+def check_batch_indices(indices: torch.Tensor, batch: int, what: str) -> torch.Tensor:
+    """Validate beam / select indices against the batch size; returns them as a long tensor."""
+    idx = torch.as_tensor(indices)
+    if idx.dtype == torch.bool:
+        if idx.numel() != batch:
+            raise CacheError(f"{what}: boolean mask has {idx.numel()} entries, batch is {batch}")
+        idx = idx.nonzero().flatten()
+    if idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise CacheError(f"{what}: expected a 1-D integer index tensor, got shape {tuple(idx.shape)} {idx.dtype}")
+    if idx.numel() and (int(idx.min()) < -batch or int(idx.max()) >= batch):
+        raise CacheError(f"{what}: indices must lie in [0, {batch}), got {idx.tolist()}")
+    return idx.long() % max(batch, 1)
+
+
+def check_repeats(repeats: int) -> None:
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise CacheError(f"repeat_interleave(repeats) needs an int >= 1, got {repeats!r}")

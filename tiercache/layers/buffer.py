@@ -1,0 +1,125 @@
+"""A contiguous, growable K/V buffer with chunked capacity: the memory behind ``full`` and ``sliding``.
+
+It holds tokens ``[start, end)`` of two tensors ``[B, H, capacity, D]`` allocated on a tier.
+Appending writes into spare capacity; only when that runs out is a larger buffer allocated
+(capacity rounded up to ``CHUNK`` tokens) and the held tokens copied once. So per-token cost
+does not grow with history, and readers get views, never a concatenation.
+
+``capacity_for(n)`` is the capacity a buffer that grew to ``n`` tokens holds; the planner uses it
+to predict ``nbytes()`` exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiercache.layers.spec import KVSpec
+
+CHUNK = 256  # tokens of capacity added at a time
+
+
+def capacity_for(tokens: int, chunk: int = CHUNK) -> int:
+    """Capacity (tokens) of a buffer that grew to hold ``tokens``: rounded up to whole chunks."""
+    return max(chunk, -(-tokens // chunk) * chunk)
+
+
+class Buffer:
+    def __init__(self, tier, chunk: int = CHUNK):
+        self.tier = tier
+        self.chunk = chunk
+        self.spec: KVSpec | None = None
+        self.keys: torch.Tensor | None = None  # [B, H, capacity, Dk]
+        self.values: torch.Tensor | None = None  # [B, H, capacity, Dv]
+        self.start = 0
+        self.end = 0
+
+    # -- reading ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def view(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of held tokens ``[lo, hi)`` (relative to the oldest held token)."""
+        hi = len(self) if hi is None else hi
+        a, b = self.start + lo, self.start + hi
+        return self.keys[:, :, a:b], self.values[:, :, a:b]  # [B, H, hi-lo, D]
+
+    def nbytes(self) -> dict[str, int]:
+        if self.keys is None:
+            return {}
+        size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return {self.tier.place(self.spec.device): size}
+
+    # -- writing ------------------------------------------------------------------------------
+    def append(self, key: torch.Tensor, value: torch.Tensor, slack: int = 0) -> None:
+        """Write ``T`` tokens after the held ones; ``slack`` extra tokens of room when regrowing."""
+        if self.spec is None:
+            self.spec = KVSpec.of(key, value)
+        t = key.shape[2]
+        if self.end + t > self.capacity:
+            self._regrow(len(self) + t + slack)
+        self.keys[:, :, self.end : self.end + t].copy_(key, non_blocking=True)
+        self.values[:, :, self.end : self.end + t].copy_(value, non_blocking=True)
+        self.end += t
+
+    def truncate(self, n: int) -> None:
+        """Forget the newest ``n`` held tokens."""
+        self.end -= n
+
+    def drop_front(self, n: int) -> None:
+        """Forget the oldest ``n`` held tokens (their room is reclaimed at the next regrow)."""
+        self.start = min(self.start + n, self.end)
+
+    def gather(self, index: torch.Tensor) -> None:
+        """Batch rows ``index`` (beam reorder, select, repeat-interleave), into fresh memory."""
+        if self.keys is None:
+            return
+        index = index.to(self.keys.device)
+        held = len(self)
+        k, v = self.view()
+        new_k = self._alloc(index.numel(), self.capacity, self.spec.key_dim)
+        new_v = self._alloc(index.numel(), self.capacity, self.spec.value_dim)
+        new_k[:, :, : len(self)].copy_(k.index_select(0, index))
+        new_v[:, :, : len(self)].copy_(v.index_select(0, index))
+        self._replace(new_k, new_v)
+        self.start, self.end = 0, held
+        self.spec = self.spec.with_batch(index.numel())
+
+    def clear(self) -> None:
+        self._replace(None, None)
+        self.spec = None
+
+    # -- internals ----------------------------------------------------------------------------
+    def _alloc(self, batch: int, capacity: int, dim: int) -> torch.Tensor:
+        s = self.spec
+        return self.tier.empty((batch, s.heads, capacity, dim), s.dtype, s.device)
+
+    def _regrow(self, needed: int) -> None:
+        capacity = capacity_for(needed, self.chunk)
+        held = len(self)
+        if self.keys is not None and capacity <= self.capacity and self.start > 0:
+            # Room enough once the dropped front is reclaimed: slide the held tokens down.
+            k, v = self.view()
+            self.keys[:, :, :held].copy_(k.clone())
+            self.values[:, :, :held].copy_(v.clone())
+        else:
+            new_k = self._alloc(self.spec.batch, capacity, self.spec.key_dim)
+            new_v = self._alloc(self.spec.batch, capacity, self.spec.value_dim)
+            if held:
+                k, v = self.view()
+                new_k[:, :, :held].copy_(k)
+                new_v[:, :, :held].copy_(v)
+            self._replace(new_k, new_v)
+        self.start, self.end = 0, held
+
+    def _replace(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+        old = (self.keys, self.values)
+        self.keys, self.values = keys, values
+        for t in old:
+            if t is not None:
+                self.tier.free(t)
+        if keys is None:
+            self.start = self.end = 0

@@ -1,0 +1,59 @@
+"""``full`` storage: every token, in a growable buffer (chunked capacity, views out, no per-token cat)."""
+
+from __future__ import annotations
+
+import torch
+
+from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
+from tiercache.layers.buffer import Buffer
+from tiercache.tiers import ComputeTier
+
+
+class FullLayer(KVLayer):
+    def __init__(self, tier=None):
+        self.buffer = Buffer(tier or ComputeTier())
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.buffer.spec is not None:
+            self.buffer.spec.check(key, value)
+        self.buffer.append(key, value)
+        return self.buffer.view()  # [B, H, S, D] views
+
+    def seq_length(self) -> int:
+        return len(self.buffer)
+
+    def mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seq_length() + query_length, 0
+
+    def crop(self, n: int) -> None:
+        check_crop(n, self.seq_length())
+        self.buffer.truncate(n)
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        self._gather(check_batch_indices(beam_idx, self._batch(), "reorder"))
+
+    def select(self, indices: torch.Tensor) -> None:
+        self._gather(check_batch_indices(indices, self._batch(), "select"))
+
+    def repeat_interleave(self, repeats: int) -> None:
+        check_repeats(repeats)
+        self._gather(torch.arange(self._batch()).repeat_interleave(repeats))
+
+    def reset(self) -> None:
+        self.buffer.clear()
+
+    def close(self) -> None:
+        self.buffer.clear()
+        self.buffer.tier.close()
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.buffer.view() if self.buffer.spec is not None and len(self.buffer) else None
+
+    def nbytes(self) -> dict[str, int]:
+        return self.buffer.nbytes()
+
+    def _batch(self) -> int:
+        return self.buffer.spec.batch if self.buffer.spec is not None else 0
+
+    def _gather(self, index: torch.Tensor) -> None:
+        self.buffer.gather(index)

@@ -1,0 +1,121 @@
+"""``sliding`` storage: the last ``window`` tokens, for sliding-window layers (Mistral, Gemma ...).
+
+It follows transformers' sliding-window cache contract exactly, so outputs are identical to
+``DynamicCache``: an update of ``T`` tokens returns the last ``window - 1 + T`` tokens (held plus
+new), then only the last ``window - 1`` are kept. With ``record_past(True)`` (assisted decoding)
+tokens are kept until the next ``crop``, which may then roll back and trims to the window.
+
+Memory: a buffer of about ``window + CHUNK`` tokens; when its end is reached the kept tokens
+slide down to the front (one copy of the window every ``CHUNK`` tokens, not per token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiercache.errors import CacheError
+from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
+from tiercache.layers.buffer import CHUNK, Buffer
+from tiercache.layers.spec import KVSpec
+from tiercache.tiers import ComputeTier
+
+
+class SlidingLayer(KVLayer):
+    is_sliding = True
+
+    def __init__(self, window: int, tier=None):
+        if not isinstance(window, int) or window < 1:
+            raise CacheError(f"sliding window must be an int >= 1, got {window!r}")
+        self.window = window
+        self.buffer = Buffer(tier or ComputeTier())
+        self.seen = 0  # tokens seen, including those slid out
+        self.recording = False
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = self.buffer
+        if buf.spec is not None:
+            buf.spec.check(key, value)
+        t, keep = key.shape[2], self.window - 1
+        visible = keep + t
+        if not self.recording and len(buf) + t > buf.capacity and t > CHUNK:
+            # A long update (prefill): attend over held + new once, keep only the window's tail.
+            if len(buf):
+                hk, hv = buf.view()
+                key, value = torch.cat([hk, key], dim=2), torch.cat([hv, value], dim=2)
+            out = key[:, :, -visible:], value[:, :, -visible:]
+            buf.drop_front(len(buf))
+            if keep:
+                buf.append(key[:, :, -keep:], value[:, :, -keep:], slack=CHUNK)
+            elif buf.spec is None:
+                buf.spec = KVSpec.of(key, value)
+            self.seen += t
+            return out
+        buf.append(key, value, slack=CHUNK)
+        self.seen += t
+        n = len(buf)
+        out = buf.view(max(0, n - visible), n)
+        if not self.recording and n > keep:
+            buf.drop_front(n - keep)
+        return out
+
+    def seq_length(self) -> int:
+        return self.seen
+
+    def mask_sizes(self, query_length: int) -> tuple[int, int]:
+        offset = max(self.seen - self.window + 1, 0)
+        if self.seen >= self.window:
+            return self.window - 1 + query_length, offset
+        return self.seen + query_length, offset
+
+    def max_length(self) -> int:
+        return self.window
+
+    def record_past(self, on: bool) -> None:
+        self.recording = bool(on)
+        if not on:
+            self._trim()
+
+    def crop(self, n: int) -> None:
+        check_crop(n, self.seen)
+        held, keep = len(self.buffer), self.window - 1
+        if held - n < min(keep, self.seen - n):
+            raise CacheError(
+                f"cannot crop {n} tokens from a sliding layer (window {self.window}) that kept only {held}: "
+                "tokens before the window are gone; call record_past(True) (activate_past_recording) before "
+                "updates you may want to roll back"
+            )
+        self.buffer.truncate(n)
+        self.seen -= n
+        self._trim()
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        self.buffer.gather(check_batch_indices(beam_idx, self._batch(), "reorder"))
+
+    def select(self, indices: torch.Tensor) -> None:
+        self.buffer.gather(check_batch_indices(indices, self._batch(), "select"))
+
+    def repeat_interleave(self, repeats: int) -> None:
+        check_repeats(repeats)
+        self.buffer.gather(torch.arange(self._batch()).repeat_interleave(repeats))
+
+    def reset(self) -> None:
+        self.buffer.clear()
+        self.seen = 0
+
+    def close(self) -> None:
+        self.reset()
+        self.buffer.tier.close()
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.buffer.view() if self.buffer.spec is not None and len(self.buffer) else None
+
+    def nbytes(self) -> dict[str, int]:
+        return self.buffer.nbytes()
+
+    def _batch(self) -> int:
+        return self.buffer.spec.batch if self.buffer.spec is not None else 0
+
+    def _trim(self) -> None:
+        extra = len(self.buffer) - (self.window - 1)
+        if not self.recording and extra > 0:
+            self.buffer.drop_front(extra)

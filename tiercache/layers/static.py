@@ -1,0 +1,123 @@
+"""``static`` storage: preallocated to ``max_length`` tokens, written by index.
+
+Addresses never change after the first update (beam reorder copies in place), the write
+position is a device tensor and the returned K/V always span ``max_length`` (the mask hides
+the unused tail), so a model step using it can be captured by ``torch.compile`` / CUDA graphs.
+An update that would pass ``max_length`` raises ``CacheError`` and writes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiercache.errors import CacheError
+from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
+from tiercache.layers.spec import KVSpec
+from tiercache.tiers import ComputeTier
+
+
+class StaticLayer(KVLayer):
+    is_compileable = True
+
+    def __init__(self, max_length: int, tier=None):
+        if not isinstance(max_length, int) or max_length < 1:
+            raise CacheError(f"static storage needs max_length >= 1, got {max_length!r}")
+        self.limit = max_length
+        self.tier = tier or ComputeTier()
+        self.spec: KVSpec | None = None
+        self.keys: torch.Tensor | None = None  # [B, H, max_length, Dk]
+        self.values: torch.Tensor | None = None  # [B, H, max_length, Dv]
+        self.position: torch.Tensor | None = None  # [] int64 on the device: next write index
+        self.length = 0  # host mirror of position, for checks
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = KVSpec.of(key, value) if self.spec is None else self.spec
+        spec.check(key, value)
+        t = key.shape[2]
+        if self.length + t > self.limit:
+            raise CacheError(
+                f"static storage is full: it holds {self.length} of max_length={self.limit} tokens and "
+                f"cannot take {t} more; raise max_length in the policy or use storage: full"
+            )
+        if self.spec is None:
+            self._allocate(spec)
+        index = self.position + torch.arange(t, device=self.position.device)  # [T]
+        self.keys.index_copy_(2, index, key)
+        self.values.index_copy_(2, index, value)
+        self.position.add_(t)
+        self.length += t
+        return self.keys, self.values  # [B, H, max_length, D]; positions >= length are masked
+
+    def seq_length(self) -> int:
+        return self.length
+
+    def mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.limit, 0
+
+    def max_length(self) -> int:
+        return self.limit
+
+    def crop(self, n: int) -> None:
+        check_crop(n, self.length)
+        if n:
+            self.position.sub_(n)
+            self.length -= n
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        if self.spec is None:
+            return
+        idx = check_batch_indices(beam_idx, self.spec.batch, "reorder")
+        if idx.numel() != self.spec.batch:
+            raise CacheError(f"reorder: static storage keeps batch {self.spec.batch}, got {idx.numel()} indices")
+        idx = idx.to(self.keys.device)
+        self.keys.copy_(self.keys.index_select(0, idx))
+        self.values.copy_(self.values.index_select(0, idx))
+
+    def select(self, indices: torch.Tensor) -> None:
+        if self.spec is not None:
+            self._regather(check_batch_indices(indices, self.spec.batch, "select"))
+
+    def repeat_interleave(self, repeats: int) -> None:
+        check_repeats(repeats)
+        if self.spec is not None:
+            self._regather(torch.arange(self.spec.batch).repeat_interleave(repeats))
+
+    def reset(self) -> None:
+        if self.keys is not None:
+            self.tier.free(self.keys)
+            self.tier.free(self.values)
+        self.spec = self.keys = self.values = self.position = None
+        self.length = 0
+
+    def close(self) -> None:
+        self.reset()
+        self.tier.close()
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.spec is None or not self.length:
+            return None
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def nbytes(self) -> dict[str, int]:
+        if self.keys is None:
+            return {}
+        size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return {self.tier.place(self.spec.device): size}
+
+    def _allocate(self, spec: KVSpec) -> None:
+        s = spec
+        self.keys = self.tier.empty((s.batch, s.heads, self.limit, s.key_dim), s.dtype, s.device).zero_()
+        self.values = self.tier.empty((s.batch, s.heads, self.limit, s.value_dim), s.dtype, s.device).zero_()
+        self.position = torch.zeros((), dtype=torch.long, device=s.device)
+        self.spec = spec
+
+    def _regather(self, index: torch.Tensor) -> None:
+        index = index.to(self.keys.device)
+        keys, values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        position, length = self.position, self.length
+        self.reset()
+        self._allocate(KVSpec.of(keys, values))
+        self.keys.copy_(keys)
+        self.values.copy_(values)
+        self.position.copy_(position)
+        self.length = length

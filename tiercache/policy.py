@@ -1,0 +1,316 @@
+"""Policies: frozen dataclasses; YAML and dicts are only their serialisation.
+
+One generic loader (``_build``) walks the dataclass fields and their type hints, so no field is
+restated anywhere: every bad input raises ``PolicyError`` with the field path, the value and
+what is allowed. ``Policy.resolve(model)`` applies overrides and returns one ``LayerPolicy`` per
+model layer, checking the policy against that model (indices in range, known layer types).
+
+Choices where DESIGN.md is silent
+- An override's ``quantize`` mapping is merged over the top-level ``quantize`` (so
+  ``{bits: 2}`` changes only the bits); ``null`` turns it off; an absent key leaves it as is.
+- Sliding-window layers are never offloaded unless an override names them (by index or by
+  ``layer_type``) with an ``offload`` section: they are small, and offloading them is slower.
+- ``offload.path`` defaults to the system temp directory for ``device: disk``.
+- ``bits: 8`` with ``format: fp8`` selects e4m3 floating point (native backend only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from tiercache.errors import PolicyError
+
+
+class _Unset:
+    """Marks an override field that was not given (distinct from ``null``)."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class Size(int):
+    """A byte count; accepts ints and strings like ``20GiB``, ``512MB``, ``1.5 GiB``."""
+
+
+def parse_size(value: Any, path: str) -> Size:
+    if isinstance(value, bool):
+        raise PolicyError(f"{path}: expected a size such as 20GiB or a byte count, got {value!r}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str) and (m := re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)):
+        unit = m.group(2).lower()
+        if unit not in _UNITS:
+            raise PolicyError(f"{path}: unknown unit {m.group(2)!r} in {value!r}; allowed: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+        number = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise PolicyError(f"{path}: expected a size such as 20GiB or a byte count, got {value!r}")
+    if number < 0:
+        raise PolicyError(f"{path}: a size must be >= 0, got {value!r}")
+    return Size(number)
+
+
+@dataclass(frozen=True)
+class QuantizePolicy:
+    backend: Literal["native", "quanto", "hqq"] = "native"
+    bits: int = 4
+    group_size: int = 64
+    residual_length: int = 128
+    key_axis: Literal["channel", "token"] = "channel"
+    value_axis: Literal["channel", "token"] = "token"
+    format: Literal["int", "fp8"] = "int"
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    device: Literal["cpu", "disk"] = "cpu"
+    prefetch: int = 1
+    pin_memory: bool = True
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class Override:
+    layers: tuple[int, ...] | None = None
+    layer_type: str | None = None
+    quantize: QuantizePolicy | None = UNSET
+    offload: OffloadPolicy | None = UNSET
+
+
+@dataclass(frozen=True)
+class Budget:
+    device: Size | None = None
+    host: Size | None = None
+    disk: Size | None = None
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    """What one model layer gets after overrides: the input of the chain builder and planner."""
+
+    index: int
+    layer_type: str
+    storage: str  # full | static | sliding
+    window: int | None
+    max_length: int | None
+    quantize: QuantizePolicy | None
+    offload: OffloadPolicy | None
+
+
+KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str = "custom"
+    description: str = ""
+    storage: Literal["full", "static"] = "full"
+    max_length: int | None = None
+    quantize: QuantizePolicy | None = None
+    offload: OffloadPolicy | None = None
+    overrides: tuple[Override, ...] = ()
+    budget: Budget | None = None
+    auto: bool = False
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Policy":
+        if not isinstance(data, dict):
+            raise PolicyError(f"policy: expected a mapping of fields, got {type(data).__name__}")
+        data = _merge_override_quantize(data)
+        policy = _build(cls, data, "policy")
+        policy._check()
+        return policy
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+    def _check(self) -> None:
+        if self.max_length is not None and self.max_length < 1:
+            raise PolicyError(f"policy.max_length: must be >= 1 (tokens) or null, got {self.max_length}")
+        if self.storage == "static" and self.max_length is None:
+            raise PolicyError("policy.max_length: storage 'static' needs max_length (tokens to preallocate), got null")
+        if self.auto and (self.budget is None or self.budget.device is None):
+            raise PolicyError("policy.budget.device: auto: true needs a device budget to fit, got none")
+        for i, q in _quantize_sections(self):
+            _check_quantize(q, i)
+        for i, o in _offload_sections(self):
+            _check_offload(o, i)
+        for i, o in enumerate(self.overrides):
+            where = f"policy.overrides[{i}]"
+            if (o.layers is None) == (o.layer_type is None):
+                raise PolicyError(f"{where}: give exactly one of 'layers' (indices) or 'layer_type', got {_to_plain(o)}")
+            if o.layer_type is not None and o.layer_type not in KNOWN_LAYER_TYPES:
+                raise PolicyError(f"{where}.layer_type: unknown layer type {o.layer_type!r}; allowed: {', '.join(KNOWN_LAYER_TYPES)}")
+
+    def resolve(self, model) -> list[LayerPolicy]:
+        """One LayerPolicy per layer of ``model`` (a ``ModelSpec``), overrides applied in order."""
+        n = model.num_layers
+        for i, o in enumerate(self.overrides):
+            for idx in o.layers or ():
+                if not -n <= idx < n:
+                    raise PolicyError(f"policy.overrides[{i}].layers: index {idx} is out of range for a model with {n} layers; allowed: {-n}..{n - 1}")
+            if o.layer_type is not None and o.layer_type not in model.layer_types:
+                raise PolicyError(
+                    f"policy.overrides[{i}].layer_type: {o.layer_type!r} is not a layer type of this model; "
+                    f"it has: {', '.join(sorted(set(model.layer_types)))}"
+                )
+        out = []
+        for idx, layer_type in enumerate(model.layer_types):
+            sliding = layer_type != "full_attention"
+            quantize, offload = self.quantize, (None if sliding else self.offload)
+            for o in self.overrides:
+                named = o.layer_type == layer_type if o.layer_type is not None else idx in {j % n for j in o.layers}
+                if not named:
+                    continue
+                if o.quantize is not UNSET:
+                    quantize = o.quantize
+                if o.offload is not UNSET:
+                    offload = o.offload
+            storage = "sliding" if sliding else self.storage
+            window = model.sliding_window if sliding else None
+            out.append(LayerPolicy(idx, layer_type, storage, window, self.max_length, quantize, offload))
+        return out
+
+
+def load_policy(source: "str | Path | dict | Policy") -> Policy:
+    """A Policy from a YAML path, a dict or a Policy (returned as is)."""
+    if isinstance(source, Policy):
+        return source
+    if isinstance(source, dict):
+        return Policy.from_dict(source)
+    import yaml
+
+    path = Path(source)
+    if not path.is_file():
+        raise PolicyError(f"policy file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise PolicyError(f"policy file {str(path)!r} is not valid YAML: {e}") from None
+    return Policy.from_dict(data if data is not None else {})
+
+
+# -- the generic loader --------------------------------------------------------------------------
+
+def _describe(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
+    if origin is tuple:
+        return f"a list of {_describe(args[0])}"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({', '.join(f.name for f in dataclasses.fields(tp))})"
+    if tp is Size:
+        return "a size such as 20GiB"
+    return {int: "an integer", str: "a string", bool: "true or false", float: "a number"}.get(tp, str(tp))
+
+
+def _build(tp, value, path: str):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _build(inner[0], value, path)
+    if origin is Literal:
+        if value not in args or isinstance(value, bool) != any(isinstance(a, bool) for a in args):
+            raise PolicyError(f"{path}: {value!r} is not allowed; allowed: {_describe(tp)}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise PolicyError(f"{path}: expected {_describe(tp)}, got {value!r}")
+        return tuple(_build(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise PolicyError(f"{path}: expected {_describe(tp)}, got {value!r}")
+        hints = typing.get_type_hints(tp)
+        names = [f.name for f in dataclasses.fields(tp)]
+        for key in value:
+            if key not in names:
+                raise PolicyError(f"{path}.{key}: unknown field; allowed: {', '.join(names)}")
+        return tp(**{k: _build(hints[k], v, f"{path}.{k}") for k, v in value.items()})
+    if tp is Size:
+        return parse_size(value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise PolicyError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PolicyError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise PolicyError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"policy loader: unsupported field type {tp!r} at {path}")
+
+
+def _to_plain(obj):
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if getattr(obj, f.name) is not UNSET}
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    if isinstance(obj, Size):
+        return int(obj)
+    return obj
+
+
+def _merge_override_quantize(data: dict) -> dict:
+    base = data.get("quantize")
+    overrides = data.get("overrides")
+    if not isinstance(base, dict) or not isinstance(overrides, list):
+        return data
+    merged = []
+    for o in overrides:
+        if isinstance(o, dict) and isinstance(o.get("quantize"), dict):
+            o = {**o, "quantize": {**base, **o["quantize"]}}
+        merged.append(o)
+    return {**data, "overrides": merged}
+
+
+def _quantize_sections(p: Policy):
+    if p.quantize is not None:
+        yield "policy.quantize", p.quantize
+    for i, o in enumerate(p.overrides):
+        if o.quantize not in (None, UNSET):
+            yield f"policy.overrides[{i}].quantize", o.quantize
+
+
+def _offload_sections(p: Policy):
+    if p.offload is not None:
+        yield "policy.offload", p.offload
+    for i, o in enumerate(p.overrides):
+        if o.offload not in (None, UNSET):
+            yield f"policy.overrides[{i}].offload", o.offload
+
+
+def _check_quantize(q: QuantizePolicy, where: str) -> None:
+    for name in ("group_size", "residual_length"):
+        v = getattr(q, name)
+        if v < (1 if name == "group_size" else 0):
+            raise PolicyError(f"{where}.{name}: must be {'>= 1' if name == 'group_size' else '>= 0'}, got {v}")
+    from tiercache.processors.backends import validate
+
+    validate(q, where)
+
+
+def _check_offload(o: OffloadPolicy, where: str) -> None:
+    if o.prefetch < 0:
+        raise PolicyError(f"{where}.prefetch: must be >= 0 (layers fetched ahead), got {o.prefetch}")
+    if o.path is not None and o.device != "disk":
+        raise PolicyError(f"{where}.path: only used with device: disk, got device {o.device!r}")

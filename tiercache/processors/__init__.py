@@ -1,0 +1,1 @@
+"""Processors: layers that wrap a layer (``quantize``, ``offload``)."""
