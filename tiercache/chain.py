@@ -42,6 +42,10 @@ class Shared:
             self._prefetcher = Prefetcher()
         return self._prefetcher
 
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of shared buffers (the prefetcher's device mirrors), per place."""
+        return self._prefetcher.nbytes() if self._prefetcher is not None else {}
+
     def close(self) -> None:
         if self._prefetcher is not None:
             self._prefetcher.close()

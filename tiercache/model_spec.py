@@ -57,7 +57,7 @@ class ModelSpec:
             )
         if any(t != "full_attention" for t in types) and not window:
             window = getattr(config, "attention_chunk_size", None)
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+        dtype = getattr(config, "dtype", None) or "float32"
         dtype = str(dtype).replace("torch.", "")
         return cls(
             name=getattr(config, "_name_or_path", "") or getattr(config, "model_type", "model"),

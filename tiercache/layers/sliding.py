@@ -5,7 +5,7 @@ It follows transformers' sliding-window cache contract exactly, so outputs are i
 new), then only the last ``window - 1`` are kept. With ``record_past(True)`` (assisted decoding)
 tokens are kept until the next ``crop``, which may then roll back and trims to the window.
 
-Memory: a buffer of about ``window + CHUNK`` tokens; when its end is reached the kept tokens
+Memory: a buffer of about ``window + min(window, CHUNK)`` tokens (at least one CHUNK); when its end is reached the kept tokens
 slide down to the front (one copy of the window every ``CHUNK`` tokens, not per token).
 """
 
@@ -30,6 +30,7 @@ class SlidingLayer(KVLayer):
         self.buffer = Buffer(tier or ComputeTier())
         self.seen = 0  # tokens seen, including those slid out
         self.recording = False
+        self.slack = min(CHUNK, window)  # tokens appended between two slides of the window
 
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         buf = self.buffer
@@ -45,12 +46,12 @@ class SlidingLayer(KVLayer):
             out = key[:, :, -visible:], value[:, :, -visible:]
             buf.drop_front(len(buf))
             if keep:
-                buf.append(key[:, :, -keep:], value[:, :, -keep:], slack=CHUNK)
+                buf.append(key[:, :, -keep:], value[:, :, -keep:], slack=self.slack)
             elif buf.spec is None:
                 buf.spec = KVSpec.of(key, value)
             self.seen += t
             return out
-        buf.append(key, value, slack=CHUNK)
+        buf.append(key, value, slack=self.slack)
         self.seen += t
         n = len(buf)
         out = buf.view(max(0, n - visible), n)

@@ -1,0 +1,50 @@
+"""Tiny random-weight models built from configs (no hub), one per family the tests cover.
+
+``FAMILIES`` maps a readable id to a builder; ``build(name)`` returns an eval-mode model in
+float32 with a fixed seed. Mistral has every layer sliding (window 8); Gemma 2/3 alternate
+sliding (window 8) and full layers, so short prompts already exercise the window.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=1,
+              bos_token_id=2)
+
+
+def _config(name: str):
+    if name == "llama":
+        return tf.LlamaConfig(num_hidden_layers=3, **COMMON), tf.LlamaForCausalLM
+    if name == "mistral":
+        return tf.MistralConfig(num_hidden_layers=3, sliding_window=8, **COMMON), tf.MistralForCausalLM
+    if name == "gemma2":
+        return tf.Gemma2Config(num_hidden_layers=4, sliding_window=8, head_dim=16, **COMMON), tf.Gemma2ForCausalLM
+    if name == "gemma3":
+        cfg = tf.Gemma3TextConfig(num_hidden_layers=4, sliding_window=8, head_dim=16,
+                                  layer_types=["sliding_attention", "full_attention"] * 2, **COMMON)
+        return cfg, tf.Gemma3ForCausalLM
+    if name == "qwen2":
+        return tf.Qwen2Config(num_hidden_layers=3, **COMMON), tf.Qwen2ForCausalLM
+    if name == "qwen3":
+        return tf.Qwen3Config(num_hidden_layers=3, head_dim=16, **COMMON), tf.Qwen3ForCausalLM
+    raise KeyError(name)
+
+
+FAMILIES = ["llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3"]
+
+
+def build(name: str, seed: int = 0):
+    config, cls = _config(name)
+    config._attn_implementation = "eager" if name.startswith("gemma") else "sdpa"
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompt(batch: int = 1, length: int = 12, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (batch, length), generator=g)

@@ -1,0 +1,179 @@
+"""TieredCache: one processor chain per model layer, behind transformers' ``Cache`` interface.
+
+    cache = TieredCache.from_policy("configs/default.yaml", model.config)
+    model.generate(**inputs, past_key_values=cache)      # or model(..., past_key_values=cache)
+    cache.update(k, v, layer_idx)                         # any model that calls update works
+    cache.nbytes()                                        # {"cpu": ..., "cuda:0": ..., "disk": ...}
+
+It needs no ``cache_position``: each layer counts the tokens it has seen. Every transformers
+cache method is answered by the chains (``tiercache.layers.base`` protocol), and errors from a
+layer are re-raised as ``CacheError`` naming the layer index. ``crop(x)`` keeps transformers'
+convention: ``x < 0`` removes ``-x`` tokens, ``x > 0`` keeps the first ``x``, ``0`` only lets
+sliding layers trim what they kept for a rollback.
+
+Returned K/V may be views of internal buffers, valid until the next call on the cache (as with
+transformers' own caches, attention consumes them at once).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from tiercache.chain import build_layers
+from tiercache.errors import CacheError
+from tiercache.layers.base import KVLayer
+from tiercache.model_spec import ModelSpec
+from tiercache.policy import Policy, load_policy
+
+
+class TieredCache(Cache):
+    def __init__(self, layers: list[KVLayer], policy: Policy, model: ModelSpec, shared=None):
+        super().__init__(layers=layers)
+        self.policy = policy
+        self.model = model
+        self._shared = shared
+
+    @classmethod
+    def from_policy(cls, policy, model_config, batch_size: int = 1, context_length: int | None = None) -> "TieredCache":
+        """Build from a Policy, a YAML path or a dict, for a transformers config (or a ModelSpec).
+
+        ``batch_size`` and ``context_length`` are only used by ``auto: true`` policies, which
+        let the planner choose the least lossy rung that fits the budget.
+        """
+        policy = load_policy(policy)
+        model = model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
+        if policy.auto:
+            from tiercache.planner import choose
+
+            policy = choose(policy, model, batch_size, context_length or 4096)
+        layers, shared = build_layers(policy.resolve(model))
+        return cls(layers, policy, model, shared)
+
+    # -- the write path --------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self._layer(layer_idx)
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if isinstance(t, torch.Tensor) and not t.is_floating_point():
+                raise CacheError(f"layer {layer_idx}: {name} must be floating point, got {t.dtype}")
+        try:
+            return layer.update(key_states, value_states)
+        except CacheError as e:
+            raise CacheError(f"layer {layer_idx}: {e}") from None
+
+    # -- what transformers asks ------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._layer(layer_idx).seq_length() if self.layers else 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self._layer(layer_idx).mask_sizes(query_length)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        if layer_idx is None:
+            return max(layer.max_length() for layer in self.layers)
+        return self._layer(layer_idx).max_length()
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [layer.is_sliding for layer in self.layers]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self.layers)
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * len(self.layers)
+
+    @property
+    def is_compileable(self) -> bool:
+        return bool(self.layers) and all(layer.is_compileable for layer in self.layers)
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def is_initialized(self) -> bool:
+        return any(layer.kv() is not None for layer in self.layers)
+
+    @property
+    def batch_size(self) -> int:
+        for layer in self.layers:
+            held = layer.kv()
+            if held is not None:
+                return held[0].shape[0]
+        return -1
+
+    def early_initialization(self, *args, **kwargs) -> None:
+        """Layers learn batch, heads, dtype and device from their first update: nothing to do."""
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        """Offloaded layers prefetch themselves (tiercache.processors.offload)."""
+
+    def offload(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        """Offloaded layers write back only new tokens themselves (tiercache.processors.offload)."""
+
+    # -- whole-cache operations ----------------------------------------------------------------
+    def crop(self, max_length: int) -> None:
+        """transformers' convention: negative removes that many tokens, positive keeps that many."""
+        seen = self.get_seq_length()
+        remove = -max_length if max_length < 0 else max(seen - max_length, 0) if max_length > 0 else 0
+        self._each("crop", remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._each("reorder", beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._each("select", indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._each("repeat_interleave", repeats)
+
+    def reset(self) -> None:
+        self._each("reset")
+
+    def activate_past_recording(self) -> None:
+        self._each("record_past", True)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return bool(getattr(self._layer(layer_idx), "recording", False))
+
+    def close(self) -> None:
+        """Release every buffer and file now (also done when the cache is garbage-collected)."""
+        self._each("close")
+        if self._shared is not None:
+            self._shared.close()
+
+    # -- accounting ------------------------------------------------------------------------------
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held now, per place (``cpu``, ``cuda:0``, ``disk`` ...)."""
+        total: dict[str, int] = {}
+        holders = [*self.layers, *([self._shared] if self._shared is not None else [])]
+        for holder in holders:
+            for place, n in holder.nbytes().items():
+                total[place] = total.get(place, 0) + n
+        return total
+
+    def __repr__(self) -> str:
+        return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
+
+    # -- internals -------------------------------------------------------------------------------
+    def _layer(self, layer_idx: int) -> KVLayer:
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise CacheError(
+                f"layer_idx {layer_idx!r} is out of range: this cache was built for {len(self.layers)} layers "
+                f"({self.model.name})"
+            )
+        return self.layers[layer_idx]
+
+    def _each(self, method: str, *args) -> None:
+        """Apply an operation to every layer; a layer's CacheError names its index."""
+        for i, layer in enumerate(self.layers):
+            try:
+                getattr(layer, method)(*args)
+            except CacheError as e:
+                raise CacheError(f"layer {i}: {e}") from None
