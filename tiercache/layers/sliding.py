@@ -87,7 +87,7 @@ class SlidingLayer(KVLayer):
             )
         self.buffer.truncate(n)
         self.seen -= n
-        self._trim()
+        self._trim(always=True)  # a crop ends a recorded step: back to the working size
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         self.buffer.gather(check_batch_indices(beam_idx, self._batch(), "reorder"))
@@ -116,7 +116,7 @@ class SlidingLayer(KVLayer):
     def _batch(self) -> int:
         return self.buffer.spec.batch if self.buffer.spec is not None else 0
 
-    def _trim(self) -> None:
+    def _trim(self, always: bool = False) -> None:
         extra = len(self.buffer) - (self.window - 1)
-        if not self.recording and extra > 0:
+        if (always or not self.recording) and extra > 0:
             self.buffer.drop_front(extra)

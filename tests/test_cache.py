@@ -1,0 +1,140 @@
+"""TieredCache inside transformers: a full-precision policy gives exactly DynamicCache's outputs.
+
+Every generation mode on tiny random models of each family (Llama; Mistral, all layers
+sliding; Gemma 2/3, alternating sliding and full; Qwen2/3).
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from models import FAMILIES, build, prompt
+from tiercache import CacheError, TieredCache
+
+FP = {"name": "fp", "storage": "full"}
+
+
+def both(model, policy=FP):
+    return DynamicCache(config=model.config), TieredCache.from_policy(policy, model.config)
+
+
+def gen(model, cache, ids, **kw):
+    torch.manual_seed(0)
+    kw.setdefault("max_new_tokens", 16)
+    kw.setdefault("do_sample", False)
+    return model.generate(ids, past_key_values=cache, **kw)
+
+
+MODES = {
+    "greedy": dict(),
+    "sampled": dict(do_sample=True, top_k=20, temperature=0.9),
+    "beam": dict(num_beams=3, num_return_sequences=2, max_new_tokens=10),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_matches_dynamic_cache(family, mode):
+    model = build(family)
+    ids = prompt(2 if mode != "beam" else 1, 14)
+    ref, ours = both(model)
+    assert torch.equal(gen(model, ours, ids, **MODES[mode]), gen(model, ref, ids, **MODES[mode]))
+    assert ours.get_seq_length() == ref.get_seq_length()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_assisted_generation_matches(family):
+    model, assistant = build(family), build(family, seed=3)
+    ids = prompt(1, 10)
+    ref, ours = both(model)
+    kw = dict(assistant_model=assistant, max_new_tokens=20)
+    assert torch.equal(gen(model, ours, ids, **kw), gen(model, ref, ids, **kw))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padded_batch_matches(family):
+    model = build(family)
+    ids = prompt(3, 16)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[2, :9] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    ref, ours = both(model)
+    out = gen(model, ours, ids, attention_mask=mask)
+    assert torch.equal(out, gen(model, ref, ids, attention_mask=mask))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_manual_loop_logits_are_identical(family):
+    model = build(family)
+    ids = prompt(2, 11)
+    ref, ours = both(model)
+    with torch.no_grad():
+        a = model(ids, past_key_values=ref, use_cache=True).logits
+        b = model(ids, past_key_values=ours, use_cache=True).logits
+        assert torch.equal(a, b)
+        for step in range(12):  # chunks of 1 and 3 tokens
+            nxt = a[:, -1:].argmax(-1) if step % 3 else torch.cat([a[:, -1:].argmax(-1)] * 3, dim=1)
+            a = model(nxt, past_key_values=ref, use_cache=True).logits
+            b = model(nxt, past_key_values=ours, use_cache=True).logits
+            assert torch.equal(a, b)
+    assert ours.get_seq_length() == ref.get_seq_length()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_continue_from_filled_cache(family):
+    model = build(family)
+    ids = prompt(1, 9)
+    ref, ours = both(model)
+    first_ref, first = gen(model, ref, ids, max_new_tokens=6), gen(model, ours, ids, max_new_tokens=6)
+    assert torch.equal(first_ref, first)
+    follow = torch.cat([first, prompt(1, 5, seed=7)], dim=1)
+    assert torch.equal(gen(model, ours, follow, max_new_tokens=8), gen(model, ref, follow, max_new_tokens=8))
+
+
+def test_crop_and_select_on_the_cache():
+    model = build("gemma2")
+    ref, ours = both(model)
+    ids = prompt(3, 6)
+    with torch.no_grad():
+        model(ids, past_key_values=ref)
+        model(ids, past_key_values=ours)
+    for cache in (ref, ours):
+        cache.crop(-2)
+        cache.batch_select_indices(torch.tensor([0, 2]))
+    assert ours.get_seq_length() == ref.get_seq_length() == 4
+    for i, layer in enumerate(ours.layers):
+        k, v = layer.kv()
+        assert torch.equal(k, ref.layers[i].keys) and torch.equal(v, ref.layers[i].values)
+    ours.crop(2)  # positive: keep the first 2
+    assert ours.get_seq_length() == 2
+    ours.reset()
+    assert ours.get_seq_length() == 0 and ours.nbytes() == {}
+
+
+def test_plain_update_protocol_and_errors():
+    cache = TieredCache.from_policy({}, build("llama").config)
+    k = torch.randn(1, 2, 5, 16)
+    out_k, out_v = cache.update(k, k, 0)
+    assert torch.equal(out_k, k) and cache.get_seq_length(0) == 5 and cache.get_seq_length(1) == 0
+    assert cache.nbytes()["cpu"] > 0
+    with pytest.raises(CacheError, match="layer_idx 7 is out of range: this cache was built for 3 layers"):
+        cache.update(k, k, 7)
+    with pytest.raises(CacheError, match="layer 0: kv head count: the layer holds 2, the update has 3"):
+        cache.update(torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16), 0)
+    with pytest.raises(CacheError, match="floating point"):
+        cache.update(k.long(), k.long(), 1)
+    assert cache.get_seq_length(0) == 5
+
+
+def test_static_policy_generates_like_static_cache():
+    from transformers import StaticCache
+
+    model = build("llama")
+    ids = prompt(1, 10)
+    ours = TieredCache.from_policy({"storage": "static", "max_length": 40}, model.config)
+    assert ours.is_compileable
+    ref = StaticCache(config=model.config, max_cache_len=40)
+    assert torch.equal(gen(model, ours, ids, max_new_tokens=20), gen(model, ref, ids, max_new_tokens=20))
+    with pytest.raises(CacheError, match="max_length=40"):
+        gen(model, ours, torch.cat([ids] * 4, dim=1), max_new_tokens=5)
