@@ -1,0 +1,29 @@
+# Two commands do all set-up: `make demo` (the main job) and `make test` (the suite).
+# Both create .venv when needed and install the project into it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The torch the venv starts from; override (e.g. TORCH=torch) for a CUDA build.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench-core clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev,quanto,hqq]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tiercache bench
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench-core: $(STAMP)
+	$(PY) bench/bench_core.py
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

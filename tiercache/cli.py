@@ -1,0 +1,122 @@
+"""The ``tiercache`` command: validate, plan, generate, bench.
+
+    tiercache validate POLICY [--model M]           OK, or the PolicyError; exit 0 / 1
+    tiercache plan POLICY --model M --context N --batch B
+    tiercache generate --model M --policy POLICY --prompt TEXT [--max-new-tokens N]
+    tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
+
+``--model`` takes ``tiny`` (the built-in trained tiny model, no network), ``tiny-random``, a
+preset shape for ``plan`` (``Llama-3-8B`` ...), a local path or a hub id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from tiercache.errors import CacheError, PolicyError
+
+
+def _validate(args) -> int:
+    from tiercache.policy import load_policy
+
+    try:
+        policy = load_policy(args.policy)
+        if args.model:
+            from tiercache.planner import resolve_model
+
+            policy.resolve(resolve_model(args.model))
+    except PolicyError as e:
+        print(f"{args.policy}: {e}")
+        return 1
+    print(f"OK: {args.policy} ({policy.name}{': ' + policy.description if policy.description else ''})")
+    return 0
+
+
+def _plan(args) -> int:
+    from tiercache.planner import main_plan
+
+    try:
+        return main_plan(args.policy, args.model, args.context, args.batch)
+    except PolicyError as e:
+        print(f"error: {e}")
+        return 1
+
+
+def _generate(args) -> int:
+    import torch
+
+    from tiercache.bench.tiny import ByteTokenizer, load_model
+    from tiercache.cache import TieredCache
+
+    torch.manual_seed(args.seed)
+    model, tok = load_model(args.model)
+    if isinstance(tok, ByteTokenizer):
+        ids = torch.tensor([tok.encode(args.prompt)])  # [1, T]
+    else:
+        ids = tok(args.prompt, return_tensors="pt").input_ids
+    try:
+        cache = TieredCache.from_policy(args.policy, model.config, context_length=ids.shape[1] + args.max_new_tokens)
+    except PolicyError as e:
+        print(f"error: {e}")
+        return 1
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=args.max_new_tokens,
+                             do_sample=args.sample, pad_token_id=getattr(tok, "pad_token_id", None))
+    elapsed = time.perf_counter() - start
+    new = out.shape[1] - ids.shape[1]
+    print(tok.decode(out[0, ids.shape[1]:]))
+    print("---")
+    sizes = ", ".join(f"{place}: {n / 2**20:.2f} MiB" for place, n in sorted(cache.nbytes().items()))
+    print(f"policy {cache.policy.name}: {new} new tokens in {elapsed:.2f}s ({new / elapsed:.1f} tokens/s); "
+          f"cache {sizes or 'empty'} for {cache.get_seq_length()} tokens")
+    cache.close()
+    return 0
+
+
+def _bench(args, rest: list[str]) -> int:
+    from tiercache.bench import main
+
+    return main(rest)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tiercache", description="A memory-tiered KV cache for LLM generation.")
+    sub = p.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="check a policy file")
+    v.add_argument("policy")
+    v.add_argument("--model", help="also check overrides against this model (preset, path or hub id)")
+    pl = sub.add_parser("plan", help="bytes per tier of a policy for a model, context and batch")
+    pl.add_argument("policy")
+    pl.add_argument("--model", required=True)
+    pl.add_argument("--context", type=int, required=True)
+    pl.add_argument("--batch", type=int, default=1)
+    g = sub.add_parser("generate", help="generate text with a policy")
+    g.add_argument("--model", default="tiny")
+    g.add_argument("--policy", default=None, help="policy YAML (default: full precision)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--sample", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+    sub.add_parser("bench", help="the trade-off benchmark (flags: tiercache bench --help)", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(None, argv[1:])
+    args = parser().parse_args(argv)
+    if args.command == "generate" and args.policy is None:
+        args.policy = {"name": "full-precision"}
+    try:
+        return {"validate": _validate, "plan": _plan, "generate": _generate}[args.command](args)
+    except CacheError as e:
+        print(f"error: {e}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
