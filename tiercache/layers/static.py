@@ -106,8 +106,14 @@ class StaticLayer(KVLayer):
 
     def _allocate(self, spec: KVSpec) -> None:
         s = spec
-        self.keys = self.tier.empty((s.batch, s.heads, self.limit, s.key_dim), s.dtype, s.device).zero_()
-        self.values = self.tier.empty((s.batch, s.heads, self.limit, s.value_dim), s.dtype, s.device).zero_()
+        keys = self.tier.empty((s.batch, s.heads, self.limit, s.key_dim), s.dtype, s.device)
+        try:
+            values = self.tier.empty((s.batch, s.heads, self.limit, s.value_dim), s.dtype, s.device)
+        except Exception:
+            self.tier.free(keys)
+            raise
+        # assigned only once both allocations succeeded: a failure leaves the layer as it was
+        self.keys, self.values = keys.zero_(), values.zero_()
         self.position = torch.zeros((), dtype=torch.long, device=s.device)
         self.spec = spec
 

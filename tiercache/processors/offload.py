@@ -1,0 +1,259 @@
+"""``Offload``: a layer whose authoritative copy lives on a host tier (pinned CPU memory or disk
+files), brought to the compute device just before use.
+
+    offloaded(make_storage_on, config, prefetcher, index) -> Offload
+        ``make_storage_on(tier)`` builds the storage layer (full | static | sliding) on the tier
+        that ``config.device`` names: ``HostTier(pin_memory)`` for ``cpu``, ``DiskTier(path)``
+        for ``disk``. The ``Prefetcher`` (``tiercache.processors.prefetch``) is shared by the
+        offloaded layers of one cache.
+
+It is a layer (``tiercache.layers.base`` protocol) and reads the layer it wraps only through
+that protocol. The device side is a *mirror* in a reusable slot of the prefetcher's pool: when
+a layer is used (``update`` or ``kv``) the prefetcher makes its mirror ready and starts fetching
+the next ``prefetch`` offloaded layers on a side stream. ``update`` writes the new tokens to
+the mirror device-to-device and sends only those tokens to the host (device -> host, then the
+inner layer appends them): never the whole layer per token. Any dtype works (the packed uint8
+blocks of ``Quantize`` cross the bus compressed), and keys and values may differ in head dim.
+
+Errors: the host write happens before the mirror changes, so an update the inner layer
+rejects (``CacheError``: wrong shape, static storage full, disk full) leaves the layer as it
+was. Crop / reorder / select / repeat_interleave / record_past / reset act on the host copy
+and drop the mirror (the next use fetches it again).
+
+``nbytes()`` reports the host tier only (``"cpu"`` or ``"disk"``). The mirrors belong to the
+prefetcher, which reports them once for the whole cache (``Prefetcher.nbytes()``, added by
+``TieredCache.nbytes``); on a CPU-only run the "device" is the CPU, so they appear under
+``"cpu"`` as well: they are real extra bytes there.
+
+Without CUDA the compute device and the host are both the CPU: every copy still happens through
+the same code (fetch, append, write-back), with no stream or event, and results are
+bit-identical to a resident layer. With CUDA the write-back of the new tokens waits for them to
+reach the host (one event per update), so an error from the host tier surfaces in ``update``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiercache.errors import CacheError
+from tiercache.layers.base import KVLayer
+from tiercache.layers.buffer import capacity_for
+from tiercache.layers.spec import check_pair
+from tiercache.policy import OffloadPolicy
+from tiercache.processors.prefetch import Prefetcher
+from tiercache.tiers import HostTier
+
+__all__ = ["Offload", "Prefetcher", "offloaded"]
+
+
+def offloaded(make_storage_on, config: OffloadPolicy, prefetcher: Prefetcher, index: int) -> "Offload":
+    """Build the storage on the tier ``config`` names and wrap it in ``Offload``."""
+    if config.device == "disk":
+        from tiercache.processors.disk import DiskTier
+
+        tier = DiskTier(config.path, label=f"layer{index}")
+    else:
+        tier = HostTier(config.pin_memory)
+    return Offload(make_storage_on(tier), prefetcher, index, depth=config.prefetch)
+
+
+def row_stride(t: torch.Tensor) -> int | None:
+    """``C`` when ``t`` ``[B, H, S, D]`` is the first ``S`` tokens of rows of ``C`` tokens laid
+    end to end (what storage layers return), so one flat span of memory holds all of it."""
+    b, h, s, d = t.shape
+    st = t.stride()
+    if (d > 1 and st[3] != 1) or (s > 1 and st[2] != d):
+        return None
+    row = st[1] if h > 1 else (st[0] if b > 1 else s * d)
+    if row % max(d, 1) or row // max(d, 1) < s:
+        return None
+    c = row // max(d, 1)
+    if b > 1 and st[0] != h * c * d:
+        return None
+    return c
+
+
+class Offload(KVLayer):
+    def __init__(self, inner: KVLayer, prefetcher: Prefetcher, index: int = 0, depth: int = 1):
+        if depth < 0:
+            raise CacheError(f"offload prefetch depth must be >= 0, got {depth}")
+        self.inner = inner
+        self.prefetcher = prefetcher
+        self.index = index
+        self.depth = depth
+        self.is_sliding = inner.is_sliding
+        limit = inner.max_length()
+        self.pad = limit if (not inner.is_sliding and limit > 0) else 0  # static: views span max_length
+        self.device: torch.device | None = None  # the compute device, from the first update
+        self.slot = None  # set and cleared by the prefetcher
+        self.k: torch.Tensor | None = None  # [B, H, C, Dk] mirror in the slot
+        self.v: torch.Tensor | None = None  # [B, H, C, Dv]
+        self.lo = 0  # first held token in the mirror
+        self.held = 0  # tokens held (== what inner.kv() holds)
+        self.key = prefetcher.register(self, index)
+
+    # -- the protocol -----------------------------------------------------------------------
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        check_pair(key, value)
+        if self.device is not None and key.device != self.device:
+            raise CacheError(f"device: the layer computes on {self.device}, the update is on {key.device}")
+        self.device = key.device
+        t = key.shape[2]
+        self.prefetcher.acquire(self, room=t)
+        host_k, host_v = self._to_host(key, value)  # [B, H, T, D] on the CPU: the new tokens only
+        out = self.inner.update(host_k, host_v)  # may raise: nothing has changed yet
+        self.prefetcher.count_d2h(_bytes(key) + _bytes(value))
+        self._append(key, value)
+        n, shown = self.held, out[0].shape[2]
+        a = self.lo + n - shown if shown <= n else self.lo  # the inner's answer, on the device
+        result = self.k[:, :, a : a + shown], self.v[:, :, a : a + shown]
+        kept = self.inner.kv()
+        kept = 0 if kept is None else kept[0].shape[2]
+        self.lo, self.held = self.lo + n - kept, kept  # the inner keeps a suffix of held + new
+        return result
+
+    def seq_length(self) -> int:
+        return self.inner.seq_length()
+
+    def mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.inner.mask_sizes(query_length)
+
+    def max_length(self) -> int:
+        return self.inner.max_length()
+
+    def crop(self, n: int) -> None:
+        self._on_host("crop", n)
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        self._on_host("reorder", beam_idx)
+
+    def select(self, indices: torch.Tensor) -> None:
+        self._on_host("select", indices)
+
+    def repeat_interleave(self, repeats: int) -> None:
+        self._on_host("repeat_interleave", repeats)
+
+    def record_past(self, on: bool) -> None:
+        self._on_host("record_past", on)
+
+    @property
+    def recording(self) -> bool:
+        return bool(getattr(self.inner, "recording", False))
+
+    def reset(self) -> None:
+        self._on_host("reset")
+        self.device = None
+
+    def close(self) -> None:
+        self.prefetcher.unregister(self)
+        self.inner.close()
+        self.device = None
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.inner.kv() is None:
+            return None
+        self.prefetcher.acquire(self)
+        return self.k[:, :, self.lo : self.lo + self.held], self.v[:, :, self.lo : self.lo + self.held]
+
+    def nbytes(self) -> dict[str, int]:
+        return self.inner.nbytes()  # the device mirror is the prefetcher's (see module docstring)
+
+    def prefetch(self) -> None:
+        if self.device is not None and self.inner.kv() is not None:
+            self.prefetcher.prefetch(self)
+
+    # -- prefetcher callbacks ---------------------------------------------------------------
+    def plan_fetch(self, room: int):
+        """Bytes the mirror needs to hold the host copy plus ``room`` tokens; the plan for fill."""
+        held = self.inner.kv()
+        if held is None:
+            return 0, None
+        hk, hv = held  # [B, H, S, D] host views
+        s = hk.shape[2]
+        ck, cv = row_stride(hk), row_stride(hv)
+        # One flat copy per tensor when the host rows allow it; an update needing more room than
+        # the host rows have regrows the mirror on the device (cheap next to the bus).
+        flat = ck is not None and ck == cv and ck >= self.pad
+        cap = ck if flat else max(capacity_for(s + room), self.pad)
+        return _layout_bytes(hk, hv, cap), (hk, hv, cap, flat)
+
+    def fill(self, slot, plan) -> int:
+        """Copy the host layer into ``slot`` (the side stream is current); returns bytes moved."""
+        if plan is None:
+            self.k = self.v = None
+            self.lo = self.held = 0
+            return 0
+        hk, hv, cap, flat = plan
+        b, h, s = hk.shape[:3]
+        self.k, self.v = slot.views([(b, h, cap, hk.shape[3]), (b, h, cap, hv.shape[3])], hk.dtype)
+        for dst, src in ((self.k, hk), (self.v, hv)):
+            if flat:  # one contiguous span: rows of `cap` tokens, the last one cut at `s`
+                n = ((b * h - 1) * cap + s) * src.shape[3]
+                dst.view(-1)[:n].copy_(src.as_strided((n,), (1,)), non_blocking=True)
+            else:
+                dst[:, :, :s].copy_(src, non_blocking=True)
+            if self.pad:
+                dst[:, :, s:].zero_()  # static: attention reads the masked tail; keep it finite
+        self.lo, self.held = 0, s
+        return _bytes(hk) + _bytes(hv)
+
+    # -- internals --------------------------------------------------------------------------
+    def _on_host(self, method: str, *args) -> None:
+        self.prefetcher.evict(self)  # waits for any fetch reading the host copy
+        getattr(self.inner, method)(*args)
+
+    def _to_host(self, key: torch.Tensor, value: torch.Tensor):
+        """The new tokens on the CPU: the tensors themselves on CPU, else a pinned copy, waited for."""
+        if key.device.type == "cpu":
+            return key, value
+        out = []
+        for t in (key, value):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            out.append(host)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(key.device))
+        done.synchronize()
+        return out
+
+    def _append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write the new tokens after the held ones in the mirror (device to device)."""
+        t = key.shape[2]
+        if self.k is None or self.lo + self.held + t > self.k.shape[2]:
+            self._make_room(key, value)
+        end = self.lo + self.held
+        self.k[:, :, end : end + t].copy_(key)
+        self.v[:, :, end : end + t].copy_(value)
+        self.held += t
+
+    def _make_room(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        need = self.held + key.shape[2]
+        if self.k is not None and need <= self.k.shape[2]:  # slide the held tokens to the front
+            for m in (self.k, self.v):
+                m[:, :, : self.held].copy_(m[:, :, self.lo : self.lo + self.held].clone())
+            self.lo = 0
+            return
+        cap = max(capacity_for(need), self.pad)
+        b, h = key.shape[:2]
+        shapes = [(b, h, cap, key.shape[3]), (b, h, cap, value.shape[3])]
+        old = (self.k[:, :, self.lo : self.lo + self.held], self.v[:, :, self.lo : self.lo + self.held]) if self.held else None
+        nbytes = _layout_bytes(key, value, cap)
+        if old is not None or nbytes > self.slot.nbytes():
+            self.prefetcher.grow(self.slot, nbytes, key.device)  # fresh bytes: `old` stays valid
+        self.k, self.v = self.slot.views(shapes, key.dtype)
+        if self.pad:
+            self.k.zero_()
+            self.v.zero_()
+        if old is not None:
+            self.k[:, :, : self.held].copy_(old[0])
+            self.v[:, :, : self.held].copy_(old[1])
+        self.lo = 0
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _layout_bytes(k: torch.Tensor, v: torch.Tensor, cap: int) -> int:
+    b, h = k.shape[:2]
+    return b * h * cap * (k.shape[3] + v.shape[3]) * k.element_size()

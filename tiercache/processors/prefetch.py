@@ -1,0 +1,218 @@
+"""The Prefetcher: one per cache, shared by its offloaded layers; owns the side stream and the
+pool of device buffers (slots) that hold device copies ("mirrors") of offloaded layers.
+
+Interface used by ``Offload`` (``tiercache.processors.offload``)
+    register(layer, index) -> key          order the layer among the offloaded ones
+    acquire(layer, room)                   make ``layer`` the one in use: its mirror is on the
+                                           device, waited for on the compute stream; the next
+                                           ``layer.depth`` layers (cyclic) start fetching
+    prefetch(layer)                        start fetching ``layer`` if a slot is free
+    evict(layer)                           drop the layer's mirror (after crop, reorder ...)
+    grow(slot, nbytes)                     more room in a slot, held bytes kept
+    count_d2h(nbytes), nbytes(), close()
+
+A layer offers two callbacks: ``plan_fetch(room) -> (nbytes, plan)`` and ``fill(slot, plan)``
+(the host -> device copies, enqueued while the side stream is current).
+
+Safety (CUDA): a fetch runs on the side stream after ``wait_event(slot.release)``, the event
+recorded on the compute stream when the slot's previous owner stopped being in use (its
+attention was enqueued by then), so no buffer is overwritten while it is still read; the
+compute stream ``wait_event(slot.ready)`` before reading a mirror, so no copy is read before it
+lands. Slot memory is allocated on the compute stream and ``record_stream``-ed on the side one.
+At most ``depth + 1`` slots exist: the layer in use and the ones fetched ahead. Without CUDA
+there is no stream or event; the copies are real, synchronous copies on the CPU.
+
+Counters: ``bytes_h2d`` (host -> device, fetches), ``bytes_d2h`` (new tokens written back),
+``fetches`` and ``side_fetches`` (those enqueued on a side stream).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from tiercache.tiers import place_of
+
+ALIGN = 2 << 20  # slot bytes grow in 2 MiB steps
+
+
+class Slot:
+    """One reusable device buffer: flat bytes, the layer that owns it, and its two events."""
+
+    def __init__(self):
+        self.data: torch.Tensor | None = None  # [nbytes] uint8 on the compute device
+        self.owner: int | None = None  # key of the layer whose mirror it holds
+        self.ready = None  # event: the fetch into it has landed (side stream)
+        self.release = None  # event: its last reader was enqueued before this (compute stream)
+
+    def nbytes(self) -> int:
+        return 0 if self.data is None else self.data.numel()
+
+    def views(self, shapes, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Typed views laid end to end over the slot's bytes, one per shape."""
+        out, offset = [], 0
+        size = torch.empty((), dtype=dtype).element_size()
+        for shape in shapes:
+            n = size
+            for s in shape:
+                n *= s
+            out.append(self.data[offset : offset + n].view(dtype).view(shape))
+            offset += n
+        return out
+
+
+class Prefetcher:
+    def __init__(self):
+        self.layers: dict[int, weakref.ref] = {}
+        self.order: list[tuple[int, int]] = []  # (model layer index, key), sorted
+        self.slots: list[Slot] = []
+        self.current: int | None = None
+        self.stream = None  # side CUDA stream, made at the first CUDA fetch
+        self._next_key = 0
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+        self.fetches = 0
+        self.side_fetches = 0
+
+    # -- registry ---------------------------------------------------------------------------
+    def register(self, layer, index: int) -> int:
+        key, self._next_key = self._next_key, self._next_key + 1
+        self.layers[key] = weakref.ref(layer)
+        self.order = sorted([*self.order, (index, key)])
+        return key
+
+    def unregister(self, layer) -> None:
+        self.evict(layer)
+        self.layers.pop(layer.key, None)
+        self.order = [(i, k) for i, k in self.order if k != layer.key]
+
+    # -- the schedule -----------------------------------------------------------------------
+    def acquire(self, layer, room: int = 0) -> None:
+        """``layer`` is in use now: its mirror is ready on the compute stream; fetch ahead."""
+        if self.current == layer.key and layer.slot is not None:
+            return
+        wanted = [layer, *self._ahead(layer)]
+        keep = {w.key for w in wanted}
+        for slot in self.slots:
+            if slot.owner is not None and slot.owner not in keep:
+                self._release(slot)
+        if layer.slot is None:
+            self._fetch(layer, room)
+        self.current = layer.key
+        self._wait(layer.slot)
+        for nxt in wanted[1:]:
+            if nxt.slot is None:
+                self._fetch(nxt, 1)
+
+    def prefetch(self, layer) -> None:
+        """Start fetching ``layer`` ahead of use, if a slot is free (never evicts)."""
+        if layer.slot is None and any(s.owner is None for s in self.slots):
+            self._fetch(layer, 1)
+
+    def evict(self, layer) -> None:
+        """Forget the layer's mirror; wait for its fetch so its host copy may change."""
+        if layer.slot is not None:
+            if layer.slot.ready is not None:
+                layer.slot.ready.synchronize()
+            self._release(layer.slot)
+        if self.current == layer.key:
+            self.current = None
+
+    def grow(self, slot: Slot, nbytes: int, device) -> torch.Tensor | None:
+        """Give ``slot`` ``nbytes`` of fresh memory (compute stream); returns the old bytes to copy."""
+        old = slot.data
+        slot.data = self._alloc(nbytes, device)
+        return old
+
+    def count_d2h(self, nbytes: int) -> None:
+        self.bytes_d2h += nbytes
+
+    # -- accounting and lifetime ------------------------------------------------------------
+    def nbytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for slot in self.slots:
+            if slot.data is not None:
+                place = place_of(slot.data.device)
+                out[place] = out.get(place, 0) + slot.nbytes()
+        return out
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+        for slot in self.slots:
+            self._release(slot)
+        self.slots = []
+        self.current = None
+
+    # -- internals --------------------------------------------------------------------------
+    def _ahead(self, layer) -> list:
+        """The next ``layer.depth`` live offloaded layers after ``layer``, wrapping around."""
+        keys = [k for _, k in self.order if self.layers.get(k) is not None and self.layers[k]() is not None]
+        if layer.key not in keys or layer.depth <= 0:
+            return []
+        at = keys.index(layer.key)
+        ahead = [keys[(at + j) % len(keys)] for j in range(1, min(layer.depth, len(keys) - 1) + 1)]
+        return [self.layers[k]() for k in ahead]
+
+    def _release(self, slot: Slot) -> None:
+        owner = self.layers.get(slot.owner) if slot.owner is not None else None
+        layer = owner() if owner is not None else None
+        if layer is not None:
+            layer.slot = None
+        slot.owner = None
+        if slot.data is not None and slot.data.is_cuda:
+            slot.release = torch.cuda.Event()
+            slot.release.record(torch.cuda.current_stream(slot.data.device))
+
+    def _fetch(self, layer, room: int) -> None:
+        slot = next((s for s in self.slots if s.owner is None), None)
+        if slot is None:
+            slot = Slot()
+            self.slots.append(slot)
+        slot.owner, layer.slot = layer.key, slot
+        nbytes, plan = layer.plan_fetch(room)
+        fresh = nbytes > slot.nbytes()
+        if fresh:
+            slot.data = self._alloc(nbytes, layer.device)  # the old bytes are not needed
+        with self._side(slot, fresh):
+            moved = layer.fill(slot, plan)
+        self.bytes_h2d += moved
+        self.fetches += 1
+
+    @contextlib.contextmanager
+    def _side(self, slot: Slot, fresh: bool):
+        """Run the enclosed copies on the side stream, ordered after the slot's release.
+
+        Memory just allocated on the compute stream may have been freed there by work still
+        queued: then the side stream waits for everything the compute stream has so far."""
+        if slot.data is None or not slot.data.is_cuda:
+            slot.ready = None
+            yield
+            return
+        device = slot.data.device
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        if fresh:
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+        elif slot.release is not None:
+            self.stream.wait_event(slot.release)
+        with torch.cuda.stream(self.stream):
+            yield
+        slot.ready = torch.cuda.Event()
+        slot.ready.record(self.stream)
+        self.side_fetches += 1
+
+    def _wait(self, slot: Slot) -> None:
+        if slot.ready is not None and slot.data is not None and slot.data.is_cuda:
+            torch.cuda.current_stream(slot.data.device).wait_event(slot.ready)
+
+    def _alloc(self, nbytes: int, device) -> torch.Tensor:
+        nbytes = -(-nbytes // ALIGN) * ALIGN if torch.device(device).type == "cuda" else nbytes
+        data = torch.empty(nbytes, dtype=torch.uint8, device=device)  # on the compute stream
+        if data.is_cuda:
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(data.device)
+            data.record_stream(self.stream)
+        return data
