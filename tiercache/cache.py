@@ -39,14 +39,15 @@ class TieredCache(Cache):
         """Build from a Policy, a YAML path or a dict, for a transformers config (or a ModelSpec).
 
         ``batch_size`` and ``context_length`` are only used by ``auto: true`` policies, which
-        let the planner choose the least lossy rung that fits the budget.
+        let the planner choose the least lossy rung that fits the budget; without a context
+        length the policy's ``max_length`` is planned for, else 4096 tokens.
         """
         policy = load_policy(policy)
         model = model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
         if policy.auto:
             from tiercache.planner import choose
 
-            policy = choose(policy, model, batch_size, context_length or 4096)
+            policy = choose(policy, model, batch_size, context_length or policy.max_length or 4096)
         layers, shared = build_layers(policy.resolve(model))
         return cls(layers, policy, model, shared)
 

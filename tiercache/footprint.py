@@ -1,0 +1,161 @@
+"""Bytes one layer of a TieredCache holds, predicted from its LayerPolicy (no tensors made).
+
+Interface
+    layer_footprint(lp, model, batch, tokens) -> Footprint
+        what layer ``lp`` holds once it has seen ``tokens`` tokens, per tier
+        (``device`` | ``host`` | ``disk``), plus its full-precision working set.
+    mirror_bytes(footprints, prefetch) -> int
+        device bytes of the offload prefetcher's mirror buffers, shared by all layers.
+
+The formulas follow the layers' allocation rules, so they predict ``nbytes()`` (allocated, not
+logical bytes) rather than ``tokens * bytes per token``. They describe a cache in steady
+decoding at ``tokens`` (a prefill, then single-token steps); right after a long prefill a
+sliding buffer can be one slack smaller.
+- ``full``: a buffer grown to ``capacity_for(tokens)`` (whole CHUNKs of 256 tokens);
+- ``sliding``: ``window`` tokens plus ``min(window, CHUNK)`` slack, in CHUNKs;
+- ``static``: ``max_length`` tokens, preallocated;
+- ``quantize`` (``processors/quantize.py``, ``blocks.py``): a residual buffer of
+  ``residual_length + group_size`` full-precision tokens on the compute device, and a store of
+  packed rows, one per block of ``group_size`` tokens (``STORE_CHUNK`` rows at a time), each row
+  ``[codes | pad | scale | offset]`` with scale and offset in the model dtype: one per channel
+  (``channel`` axis) or per run of channels of each token (``token`` axis). A sliding layer's
+  store keeps ``ceil((window - 1) / group_size) + 1`` blocks; a static one ``max_length // G``.
+- ``offload`` (``processors/offload.py``): the store lives on the host or disk tier; the shared
+  prefetcher keeps ``min(prefetch + 1, offloaded layers)`` device slots, each holding one
+  layer's mirror (``capacity_for(kept + 1)`` tokens or rows, at least the host capacity);
+  with layers of different sizes the plan counts the largest ones (an upper bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tiercache.layers.buffer import CHUNK, capacity_for
+from tiercache.model_spec import ModelSpec
+from tiercache.policy import LayerPolicy, QuantizePolicy
+
+TIERS = ("device", "host", "disk")
+STORE_CHUNK = 1  # rows (blocks) of capacity Quantize's block store adds at a time (quantize.py)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """One layer's predicted bytes: ``held[tier]``; ``mirrored`` is what a device mirror must hold."""
+
+    held: dict = field(default_factory=dict)
+    tokens: int = 0  # tokens the layer keeps (after its window)
+    mirrored: int = 0  # bytes of the offloaded part (what the prefetcher copies to the device)
+    working: int = 0  # full-precision K/V bytes attention sees for this layer (transient when quantized)
+
+    def total(self) -> int:
+        return sum(self.held.values())
+
+
+def kept_tokens(lp: LayerPolicy, tokens: int) -> int:
+    """Tokens a layer keeps after seeing ``tokens``: all of them, or the last ``window - 1``."""
+    if lp.storage == "sliding" and lp.window:
+        return min(tokens, lp.window - 1)
+    return tokens
+
+
+def storage_capacity(lp: LayerPolicy, tokens: int, chunk: int = CHUNK, window: int | None = None,
+                     max_length: int | None = None) -> int:
+    """Capacity (tokens, or rows) the storage of ``lp`` allocates after ``tokens`` were appended.
+
+    ``window`` / ``max_length`` default to the layer's; the quantized store passes its own in
+    blocks (one row per block), with its own ``chunk``.
+    """
+    window = lp.window if window is None else window
+    max_length = lp.max_length if max_length is None else max_length
+    if tokens <= 0:
+        return 0
+    if lp.storage == "static":
+        return max_length
+    if lp.storage == "sliding" and window:
+        return capacity_for(min(tokens, window) + min(chunk, window), chunk)
+    return capacity_for(tokens, chunk)
+
+
+def _fp_bytes(model: ModelSpec, batch: int, tokens: int) -> int:
+    """Full-precision K and V bytes of ``tokens`` tokens (keys and values share head_dim)."""
+    return batch * model.kv_heads * tokens * 2 * model.head_dim * model.dtype_bytes
+
+
+def row_bytes(q: QuantizePolicy, head_dim: int, axis: str, dtype_bytes: int) -> int:
+    """Bytes of one packed block row (``processors/blocks.py``): codes, pad, scale [, offset]."""
+    from tiercache.processors.blocks import token_groups
+
+    bits = 8 if q.format == "fp8" else q.bits
+    codes = -(-q.group_size * head_dim * bits // 8)
+    meta_at = -(-codes // dtype_bytes) * dtype_bytes
+    groups = head_dim if axis == "channel" else q.group_size * token_groups(head_dim, q.group_size)
+    return meta_at + groups * dtype_bytes * (1 if q.format == "fp8" else 2)
+
+
+def quantized_bytes(q: QuantizePolicy, model: ModelSpec, batch: int, tokens: int) -> int:
+    """Packed K and V of ``tokens`` tokens (whole blocks), metadata included, no spare rows."""
+    rows = batch * model.kv_heads * (tokens // q.group_size)
+    return rows * _block_bytes(q, model)
+
+
+def _block_bytes(q: QuantizePolicy, model: ModelSpec) -> int:
+    """One block of K plus one of V, for one batch row and head."""
+    d, size = model.head_dim, model.dtype_bytes
+    return row_bytes(q, d, q.key_axis, size) + row_bytes(q, d, q.value_axis, size)
+
+
+def quantize_split(q: QuantizePolicy, seen: int) -> tuple[int, int]:
+    """(packed tokens, residual tokens) after ``seen`` tokens went through a Quantize layer.
+
+    The residual holds at least ``residual_length`` tokens; older tokens are packed only in
+    whole blocks of ``group_size``, so up to ``group_size - 1`` more stay in full precision.
+    """
+    spare = max(seen - q.residual_length, 0)
+    packed = spare // q.group_size * q.group_size
+    return packed, seen - packed
+
+
+def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) -> Footprint:
+    kept = kept_tokens(lp, tokens)
+    working = _fp_bytes(model, batch, kept)
+    cold = "host" if lp.offload is None or lp.offload.device == "cpu" else "disk"
+    if lp.quantize is None:
+        cap = storage_capacity(lp, tokens)
+        fp = _fp_bytes(model, batch, cap)
+        if lp.offload is None:
+            return Footprint({"device": fp}, kept, 0, working)
+        return Footprint({cold: fp}, kept, _fp_bytes(model, batch, _mirror_tokens(cap, kept)), working)
+    q = lp.quantize
+    packed, residual = quantize_split(q, tokens)
+    blocks = packed // q.group_size
+    chunk = STORE_CHUNK
+    window = -(-(lp.window - 1) // q.group_size) + 1 if lp.storage == "sliding" and lp.window else None
+    rows = storage_capacity(lp, blocks, chunk, window, max(1, (lp.max_length or 0) // q.group_size))
+    block = batch * model.kv_heads * _block_bytes(q, model)
+    store = rows * block
+    resid = _fp_bytes(model, batch, q.residual_length + q.group_size) if tokens else 0
+    kept_rows = min(blocks, window - 1) if window else blocks
+    held = {"device": resid}
+    if lp.offload is None:
+        held["device"] += store
+        return Footprint(held, min(kept, kept_rows * q.group_size + residual), 0, working)
+    held[cold] = store
+    mirror = block * _mirror_tokens(rows, kept_rows) if blocks else 0
+    return Footprint(held, min(kept, kept_rows * q.group_size + residual), mirror, working)
+
+
+def _mirror_tokens(host_capacity: int, kept: int) -> int:
+    """Tokens (rows) of an Offload mirror (``processors/offload.py``): it is allocated in whole
+    CHUNKs for the kept tokens plus one, or reuses the host buffer's capacity when that is
+    larger (sliding and static layers); slots never shrink."""
+    return max(capacity_for(kept + 1), host_capacity)
+
+
+def mirror_bytes(footprints: list[Footprint], prefetch: int) -> int:
+    """Device slots of the prefetcher: ``prefetch + 1`` mirrors in flight at once.
+
+    Exact when the offloaded layers are alike; when their sizes differ (overrides), the slots'
+    sizes depend on the fetch schedule, and this is the upper bound: the largest ones together.
+    """
+    sizes = sorted((f.mirrored for f in footprints if f.mirrored), reverse=True)
+    return sum(sizes[: prefetch + 1])

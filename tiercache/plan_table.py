@@ -1,0 +1,79 @@
+"""Render a Plan as text: layers grouped by identical rows, totals per tier, budget verdicts.
+
+Interface: ``render(plan) -> str`` (``Plan.table()`` calls it). Consecutive layers with the same
+form, place and bytes share one row (``0-31``), so an 80-layer model stays readable. For an auto
+policy the candidate ladder comes first: every rung with its bytes and why it was chosen or not.
+"""
+
+from __future__ import annotations
+
+from tiercache.footprint import TIERS
+
+
+def render(plan) -> str:
+    from tiercache.planner import human
+
+    p, spec = plan, plan.model
+    head = p.requested or p.policy
+    lines = [f"policy {head.name}" + (f": {head.description}" if head.description else "")]
+    lines.append(
+        f"model {spec.name}: {spec.num_layers} layers, {spec.kv_heads} kv heads x {spec.head_dim}, {spec.dtype}"
+        f" | batch {p.batch_size} | context {p.context_length} tokens"
+    )
+    if p.rungs is not None:
+        lines += ["", "auto ladder (least lossy first; the first rung that fits is chosen):"]
+        lines += _grid(["#", "rung", "device", "host", "disk", "+workspace", "verdict"],
+                       [[str(i + 1), r.name, *_rung_bytes(r, human), r.verdict] for i, r in enumerate(p.rungs)])
+        lines += ["", f"chosen: {p.policy.name}"]
+    lines.append("")
+    rows = [[_indices([r.index for r in g]), str(len(g)), g[0].layer_type, g[0].form, g[0].place, str(g[0].tokens),
+             *(human(sum(r.bytes[t] for r in g)) for t in TIERS)] for g in _groups(p.layers)]
+    if p.mirrors:
+        rows.append(["", "", "offload mirrors", "device copies of prefetch+1 layers", "device", "",
+                     human(p.mirrors), "", ""])
+    rows.append(["", str(len(p.layers)), "total held", "", "", "", *(human(p.bytes[t]) for t in TIERS)])
+    if p.workspace:
+        rows.append(["", "", "workspace", "transient: one layer dequantized", "device", "", human(p.workspace), "", ""])
+    lines += _grid(["layers", "n", "type", "form", "history", "tokens", "device", "host", "disk"], rows)
+    lines.append("")
+    verdicts = p.verdicts()
+    for tier, (used, limit, ok) in verdicts.items():
+        extra = f" (held {human(p.bytes['device'])} + workspace {human(p.workspace)})" if tier == "device" and p.workspace else ""
+        lines.append(f"budget {tier}: {human(used)}{extra} of {human(limit)}: {'fits' if ok else 'DOES NOT FIT'}")
+    lines += [f"problem: {msg}" for msg in p.problems]
+    if not verdicts and not p.problems:
+        lines.append("no budget given: nothing to check")
+    lines.append(f"verdict: {'fits' if p.fits else 'does not fit'}")
+    return "\n".join(lines)
+
+
+def _rung_bytes(rung, human) -> list[str]:
+    if rung.plan is None:
+        return ["-"] * (len(TIERS) + 1)
+    return [*(human(rung.plan.bytes[t]) for t in TIERS), human(rung.plan.workspace)]
+
+
+def _groups(rows):
+    """Layers with identical type, form, place, tokens and bytes, in order of first appearance."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r.layer_type, r.form, r.place, r.tokens, tuple(sorted(r.bytes.items()))), []).append(r)
+    return list(groups.values())
+
+
+def _indices(idx: list[int]) -> str:
+    """``0-31``, ``0-40/2`` (every second), or a comma list."""
+    if len(idx) <= 2:
+        return ",".join(map(str, idx))
+    step = idx[1] - idx[0]
+    if all(b - a == step for a, b in zip(idx, idx[1:])):
+        return f"{idx[0]}-{idx[-1]}" + (f"/{step}" if step > 1 else "")
+    return ",".join(map(str, idx))
+
+
+def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    right = {"device", "host", "disk", "tokens", "+workspace", "n"}
+    fmt = lambda cells: "  ".join(  # noqa: E731
+        (c.rjust(w) if h in right else c.ljust(w)) for c, w, h in zip(cells, widths, header)).rstrip()
+    return [fmt(header), *(fmt(r) for r in rows)]

@@ -1,0 +1,237 @@
+"""Planner: the bytes a policy's cache will hold on each tier, and whether that fits its budget.
+
+Interface
+    plan(policy, model, batch_size=1, context_length=4096) -> Plan
+        ``policy``: a Policy, YAML path or dict; ``model``: a ModelSpec, a transformers config,
+        a preset name or a local path (``resolve_model``). An ``auto: true`` policy is first
+        resolved by the candidate ladder (``tiercache.ladder``); the Plan then carries every rung.
+    choose(policy, model, batch, context) -> Policy
+        the concrete policy an ``auto`` policy stands for (``TieredCache.from_policy`` calls it).
+    resolve_model(name_or_path) -> ModelSpec
+    main_plan(policy_path, model, context, batch, out) -> exit code (the ``tiercache plan`` CLI)
+
+Plan
+    .bytes       {"device", "host", "disk"}: bytes *held* once ``context_length`` tokens are in
+                 the cache: what ``TieredCache.nbytes()`` reports (allocated, chunk-rounded).
+    .workspace   transient device bytes beyond ``.bytes``: one layer's full-precision K/V that
+                 attention sees when the history is quantized (dequantized per step).
+    .fits        every tier named in ``policy.budget`` holds its bytes; the device verdict
+                 counts ``.bytes["device"] + .workspace``. True when there is no budget.
+    .layers      one LayerRow per layer; ``.rungs`` (auto only) one Rung per ladder candidate.
+    .table()     the human-readable report.
+
+Comparing with a real cache: ``tier_bytes(cache.nbytes(), device)`` maps places to tiers (the
+compute device's place -> device, ``cpu`` -> host, ``disk`` -> disk). On a CPU-only run the
+device *is* ``cpu``, so device and host bytes share one place there; compare their sum, or
+report host-tier allocations under their own name (the tests patch ``HostTier.place``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiercache.errors import PolicyError
+from tiercache.footprint import TIERS, Footprint, layer_footprint, mirror_bytes
+from tiercache.model_spec import PRESETS, ModelSpec
+from tiercache.policy import Budget, Policy, load_policy
+from tiercache.tiers import place_of
+
+__all__ = ["Plan", "LayerRow", "plan", "choose", "resolve_model", "main_plan", "tier_bytes", "human"]
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    index: int
+    layer_type: str
+    form: str  # e.g. "bf16 full", "int4 native g64 r128 (K channel, V token)"
+    place: str  # device | host | disk: where the history lives
+    tokens: int  # tokens held
+    bytes: dict  # tier -> bytes
+    mirror: int = 0  # bytes of its device mirror while fetched (offloaded layers)
+
+
+@dataclass
+class Plan:
+    policy: Policy
+    model: ModelSpec
+    batch_size: int
+    context_length: int
+    layers: list[LayerRow]
+    mirrors: int  # offload prefetcher's device slots (part of bytes["device"]; an upper bound
+    #              when offloaded layers differ in size, see tiercache.footprint.mirror_bytes)
+    bytes: dict
+    workspace: int
+    problems: list[str] = field(default_factory=list)
+    rungs: list | None = None  # tiercache.ladder.Rung rows, for auto policies
+    requested: Policy | None = None  # the auto policy, when ``policy`` was chosen by the ladder
+
+    @property
+    def budget(self) -> Budget | None:
+        return (self.requested or self.policy).budget
+
+    def verdicts(self) -> dict[str, tuple[int, int, bool]]:
+        """tier -> (bytes counted, budget, fits), for each tier the budget names."""
+        out = {}
+        for tier in TIERS:
+            limit = getattr(self.budget, tier, None) if self.budget is not None else None
+            if limit is not None:
+                used = self.bytes[tier] + (self.workspace if tier == "device" else 0)
+                out[tier] = (used, int(limit), used <= limit)
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems and all(ok for _, _, ok in self.verdicts().values())
+
+    def table(self) -> str:
+        from tiercache.plan_table import render
+
+        return render(self)
+
+
+def plan(policy, model, batch_size: int = 1, context_length: int = 4096) -> Plan:
+    policy = load_policy(policy)
+    spec = model if isinstance(model, ModelSpec) else (
+        resolve_model(model) if isinstance(model, (str, Path)) else ModelSpec.from_config(model))
+    if batch_size < 1 or context_length < 1:
+        raise PolicyError(f"plan: batch_size and context_length must be >= 1, got {batch_size} and {context_length}")
+    if policy.auto:
+        from tiercache.ladder import walk
+
+        return walk(policy, spec, batch_size, context_length)
+    return plan_concrete(policy, spec, batch_size, context_length)
+
+
+def choose(policy, model, batch: int = 1, context: int = 4096) -> Policy:
+    """The concrete policy an auto policy resolves to; PolicyError when no rung fits."""
+    p = plan(policy, model, batch, context)
+    if not p.fits:
+        raise PolicyError(
+            f"policy.budget: no candidate of the auto ladder fits {_budget_text(p.budget)} for "
+            f"{p.model.name} at batch {batch}, context {context}; the smallest reachable is "
+            f"{p.policy.name} with {_bytes_text(p)}"
+        )
+    return p.policy
+
+
+def plan_concrete(policy: Policy, spec: ModelSpec, batch: int, context: int) -> Plan:
+    layer_policies = policy.resolve(spec)
+    prints: list[Footprint] = [layer_footprint(lp, spec, batch, context) for lp in layer_policies]
+    prefetch = max((lp.offload.prefetch for lp in layer_policies if lp.offload is not None), default=0)
+    mirrors = mirror_bytes(prints, prefetch)
+    totals = {tier: sum(f.held.get(tier, 0) for f in prints) for tier in TIERS}
+    totals["device"] += mirrors
+    rows = [LayerRow(lp.index, lp.layer_type, _form(lp, spec), _place(lp), f.tokens,
+                     {t: f.held.get(t, 0) for t in TIERS}, f.mirrored) for lp, f in zip(layer_policies, prints)]
+    workspace = max((f.working for lp, f in zip(layer_policies, prints) if lp.quantize is not None), default=0)
+    problems = []
+    if policy.storage == "static" and policy.max_length is not None and context > policy.max_length:
+        problems.append(f"context {context} exceeds static max_length {policy.max_length}")
+    return Plan(policy, spec, batch, context, rows, mirrors, totals, workspace, problems)
+
+
+def tier_bytes(nbytes: dict, device) -> dict[str, int]:
+    """Map a cache's ``nbytes()`` places to tiers, given the compute device."""
+    compute = place_of(device)
+    out = dict.fromkeys(TIERS, 0)
+    for place, n in nbytes.items():
+        tier = "device" if place == compute else "disk" if place == "disk" else "host"
+        out[tier] += n
+    return out
+
+
+# -- models ----------------------------------------------------------------------------------------
+
+def resolve_model(model: str) -> ModelSpec:
+    """A preset name (any case), a local dir / config.json (read as JSON), or a hub id."""
+    key = str(model).lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise PolicyError(f"model config {str(path)!r} is not readable JSON: {e}") from None
+        return ModelSpec.from_config(_JsonConfig(data, str(path.parent)))
+    try:
+        from transformers import AutoConfig
+
+        return ModelSpec.from_config(AutoConfig.from_pretrained(model))
+    except Exception as e:  # noqa: BLE001 - any hub / network failure becomes one clear message
+        names = ", ".join(s.name for s in PRESETS.values())
+        raise PolicyError(
+            f"--model {model!r}: not a preset, a local config, or a reachable hub id ({type(e).__name__}: {e}); "
+            f"presets: {names}"
+        ) from None
+
+
+class _JsonConfig:
+    """Attribute view of a config.json (multimodal configs: the ``text_config`` part)."""
+
+    def __init__(self, data: dict, name: str):
+        data = data.get("text_config", data) if isinstance(data.get("text_config"), dict) else data
+        self.__dict__.update(data)
+        self._name_or_path = name
+        self.dtype = data.get("dtype") or data.get("torch_dtype") or "bfloat16"
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+def main_plan(policy_path: str, model: str, context: int, batch: int, out=sys.stdout, err=None) -> int:
+    """``tiercache plan``: print the table; 0 when it fits, 1 when it does not or on error."""
+    err = err if err is not None else sys.stderr
+    try:
+        p = plan(load_policy(policy_path), resolve_model(model), batch, context)
+    except PolicyError as e:
+        print(f"error: {e}", file=err)
+        return 1
+    print(p.table(), file=out)
+    return 0 if p.fits else 1
+
+
+# -- text helpers ----------------------------------------------------------------------------------
+
+def human(n: int) -> str:
+    """Bytes as B / KiB / MiB / GiB / TiB with one decimal."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _dtype_name(spec: ModelSpec) -> str:
+    return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}[spec.dtype]
+
+
+def _form(lp, spec: ModelSpec) -> str:
+    storage = f"{lp.storage}" + (f" w{lp.window}" if lp.storage == "sliding" else "") + (
+        f" max{lp.max_length}" if lp.storage == "static" else "")
+    q = lp.quantize
+    if q is None:
+        return f"{_dtype_name(spec)} {storage}"
+    kind = "fp8" if q.format == "fp8" else f"int{q.bits}"
+    return f"{kind} {q.backend} g{q.group_size} r{q.residual_length} K:{q.key_axis} V:{q.value_axis}, {storage}"
+
+
+def _place(lp) -> str:
+    if lp.offload is None:
+        return "device"
+    return "host" if lp.offload.device == "cpu" else "disk"
+
+
+def _budget_text(budget: Budget | None) -> str:
+    if budget is None:
+        return "no budget"
+    return ", ".join(f"{t} {human(getattr(budget, t))}" for t in TIERS if getattr(budget, t) is not None)
+
+
+def _bytes_text(p: Plan) -> str:
+    return ", ".join(f"{t} {human(p.bytes[t])}" for t in TIERS) + f" (+ workspace {human(p.workspace)})"
