@@ -13,19 +13,24 @@ the layers of one cache share: the offload prefetcher (side stream, device buffe
 from __future__ import annotations
 
 from tiercache.layers.base import KVLayer
+from tiercache.layers.buffer import CHUNK
 from tiercache.layers.full import FullLayer
 from tiercache.layers.sliding import SlidingLayer
 from tiercache.layers.static import StaticLayer
 from tiercache.policy import LayerPolicy
 
 
-def make_storage(window: int | None = None, max_length: int | None = None, tier=None) -> KVLayer:
-    """``sliding`` when a window is given, else ``static`` when a max_length is, else ``full``."""
+def make_storage(window: int | None = None, max_length: int | None = None, tier=None, chunk: int = CHUNK) -> KVLayer:
+    """``sliding`` when a window is given, else ``static`` when a max_length is, else ``full``.
+
+    ``chunk``: tokens of capacity a growable buffer adds at a time (Quantize stores one packed
+    block per "token", so it asks for a few blocks at a time rather than 256).
+    """
     if window is not None:
-        return SlidingLayer(window, tier)
+        return SlidingLayer(window, tier, chunk)
     if max_length is not None:
         return StaticLayer(max_length, tier)
-    return FullLayer(tier)
+    return FullLayer(tier, chunk)
 
 
 class Shared:
@@ -54,12 +59,12 @@ class Shared:
 def build_layer(lp: LayerPolicy, shared: Shared) -> KVLayer:
     max_length = lp.max_length if lp.storage == "static" else None
 
-    def make_store(window: int | None = None, max_length: int | None = None) -> KVLayer:
+    def make_store(window: int | None = None, max_length: int | None = None, chunk: int = CHUNK) -> KVLayer:
         if lp.offload is None:
-            return make_storage(window, max_length)
+            return make_storage(window, max_length, chunk=chunk)
         from tiercache.processors.offload import offloaded
 
-        return offloaded(lambda tier: make_storage(window, max_length, tier), lp.offload, shared.prefetcher, lp.index)
+        return offloaded(lambda tier: make_storage(window, max_length, tier, chunk), lp.offload, shared.prefetcher, lp.index)
 
     if lp.quantize is None:
         return make_store(lp.window, max_length)

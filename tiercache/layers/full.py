@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
-from tiercache.layers.buffer import Buffer
+from tiercache.layers.buffer import CHUNK, Buffer
 from tiercache.tiers import ComputeTier
 
 
 class FullLayer(KVLayer):
-    def __init__(self, tier=None):
-        self.buffer = Buffer(tier or ComputeTier())
+    def __init__(self, tier=None, chunk: int = CHUNK):
+        self.buffer = Buffer(tier or ComputeTier(), chunk)  # chunk: capacity added at a time (tokens)
 
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.buffer.spec is not None:

@@ -23,14 +23,14 @@ from tiercache.tiers import ComputeTier
 class SlidingLayer(KVLayer):
     is_sliding = True
 
-    def __init__(self, window: int, tier=None):
+    def __init__(self, window: int, tier=None, chunk: int = CHUNK):
         if not isinstance(window, int) or window < 1:
             raise CacheError(f"sliding window must be an int >= 1, got {window!r}")
         self.window = window
-        self.buffer = Buffer(tier or ComputeTier())
+        self.buffer = Buffer(tier or ComputeTier(), chunk)  # chunk: capacity added at a time (tokens)
         self.seen = 0  # tokens seen, including those slid out
         self.recording = False
-        self.slack = min(CHUNK, window)  # tokens appended between two slides of the window
+        self.slack = min(chunk, window)  # tokens appended between two slides of the window
 
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         buf = self.buffer
@@ -38,7 +38,7 @@ class SlidingLayer(KVLayer):
             buf.spec.check(key, value)
         t, keep = key.shape[2], self.window - 1
         visible = keep + t
-        if not self.recording and len(buf) + t > buf.capacity and t > CHUNK:
+        if not self.recording and len(buf) + t > buf.capacity and t > buf.chunk:
             # A long update (prefill): attend over held + new once, keep only the window's tail.
             if len(buf):
                 hk, hv = buf.view()

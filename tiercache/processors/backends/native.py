@@ -1,0 +1,61 @@
+"""``native`` backend: pure torch, no compiled extension, deterministic.
+
+Integer formats (``bits`` 2, 4, 8): asymmetric min-max per group, ``scale = (max - min) /
+(2**bits - 1)``, ``offset = min``, codes ``round((x - offset) / scale)`` in ``[0, 2**bits)``.
+Scale and offset are rounded to the model dtype *before* the codes are computed, so the codes
+fit the stored metadata exactly. ``format: fp8`` (``bits: 8``): e4m3 codes with a symmetric
+per-group scale ``absmax / 448`` and no offset.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACKAGE = None
+BITS = (2, 4, 8)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def check(config) -> str | None:
+    if config.format == "fp8":
+        if config.bits != 8:
+            return f"format 'fp8' is 8 bits (e4m3); set bits: 8, got bits {config.bits}"
+        return None
+    if config.bits not in BITS:
+        return f"supports bits {', '.join(map(str, BITS))} (format 'int') and bits 8 with format 'fp8'; got bits {config.bits}"
+    return None
+
+
+def minmax_affine(x: torch.Tensor, dim: int, bits: int, dtype: torch.dtype):
+    """Min-max ``(scale, offset)`` per group along ``dim``, rounded to ``dtype``, returned in float32."""
+    lo = x.amin(dim=dim, keepdim=True).float()
+    hi = x.amax(dim=dim, keepdim=True).float()
+    scale = ((hi - lo) / (2**bits - 1)).to(dtype).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: codes 0, exact
+    return scale, lo.to(dtype).float()
+
+
+class Native:
+    code_dtype = torch.uint8
+
+    def __init__(self, bits: int, fp8: bool = False):
+        self.bits = bits
+        self.fp8 = fp8
+        self.has_offset = not fp8
+        if fp8:
+            self.code_dtype = torch.float8_e4m3fn
+
+    def quantize(self, x: torch.Tensor, dim: int):
+        if self.fp8:
+            amax = x.abs().amax(dim=dim, keepdim=True).float()
+            scale = (amax / FP8_MAX).to(x.dtype).float()
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            codes = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            return codes, scale, None
+        scale, offset = minmax_affine(x, dim, self.bits, x.dtype)
+        codes = ((x.float() - offset) / scale).round_().clamp_(0, 2**self.bits - 1).to(torch.uint8)
+        return codes, scale, offset
+
+
+def make(config) -> Native:
+    return Native(config.bits, fp8=config.format == "fp8")

@@ -1,0 +1,159 @@
+"""Packed blocks: ``group_size`` tokens of one K (or V) head quantized into one row of bytes.
+
+Interface
+    BlockCodec(backend, group_size, head_dim, axis, dtype)
+    encode(x) -> rows          x ``[B, H, N*G, D]`` float -> rows ``[B, H, N, row_bytes]`` uint8
+    decode(rows, out)          rows ``[B, H, N, row_bytes]`` -> writes ``out`` ``[B, H, N*G, D]``
+                               (a view into a larger tensor is fine: no temporary of the output)
+    roundtrip(x)               ``decode(encode(x))``: what attention sees for quantized tokens
+    row_bytes / groups         bytes of one block row, quantization groups per block
+
+Row layout: ``[codes | pad | scale | offset]``. Codes are packed ``8 // bits`` per byte, planar
+(byte ``j`` holds elements ``j``, ``j + E/per``, ... of the token-major ``[G, D]`` block, so each
+bit plane is a contiguous run of tokens; 3-bit codes as a bit stream); scale and
+offset are in the model dtype, viewed as bytes (``pad`` aligns them). ``axis`` says what a
+group spans: ``channel`` (KIVI keys) one channel over the block's ``G`` tokens, ``token`` a run
+of ``g`` channels of one token, ``g = D / ceil(D / G)`` (the whole head when ``G >= D``; if
+``D`` does not split evenly, the next group count that divides it).
+
+Dequantization is one vectorized ``codes * scale + offset`` over all blocks (per bit plane),
+written straight into the caller's output slice, so a step costs one pass over the packed history.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tiercache.errors import CacheError
+
+_SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _shifts(bits: int, count: int, device: torch.device) -> torch.Tensor:
+    key = (bits * 100 + count, device)
+    if key not in _SHIFTS:
+        _SHIFTS[key] = (torch.arange(count, dtype=torch.uint8) * bits).to(device)
+    return _SHIFTS[key]
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., E]`` uint8 codes < 2**bits -> ``[..., ceil(E * bits / 8)]`` bytes.
+
+    1, 2, 4 bits are planar: byte ``j`` holds codes ``j + i * E / per`` (``per = 8 // bits``) at
+    bit ``i * bits``, so unpacking is ``per`` contiguous scalar shift-and-mask passes.
+    """
+    if bits == 8:
+        return codes
+    e = codes.shape[-1]
+    if 8 % bits == 0:
+        per = 8 // bits
+        codes = torch.nn.functional.pad(codes, (0, -e % per))
+        planes = codes.view(*codes.shape[:-1], per, -1)  # [..., per, bytes]
+        out = planes[..., 0, :].clone()
+        for i in range(1, per):
+            out |= planes[..., i, :] << (i * bits)
+        return out
+    stream = (codes.unsqueeze(-1) >> _shifts(1, bits, codes.device)) & 1  # [..., E, bits]
+    stream = torch.nn.functional.pad(stream.flatten(-2), (0, -(e * bits) % 8))
+    stream = stream.view(*codes.shape[:-1], -1, 8)  # [..., bytes, 8]
+    return (stream << _shifts(1, 8, codes.device)).sum(-1, dtype=torch.uint8)
+
+
+def plane(packed: torch.Tensor, bits: int, i: int) -> torch.Tensor:
+    """Codes ``i * E / per ...`` of planar bytes: one contiguous ``[..., bytes]`` uint8 pass."""
+    return (packed >> (i * bits)) & (2**bits - 1) if i else packed & (2**bits - 1)
+
+
+def unpack(packed: torch.Tensor, bits: int, e: int) -> torch.Tensor:
+    """Inverse of ``pack``: ``[..., bytes]`` -> ``[..., e]`` uint8 codes."""
+    if bits == 8:
+        return packed
+    if 8 % bits == 0:
+        codes = torch.cat([plane(packed, bits, i) for i in range(8 // bits)], dim=-1)
+        return codes if codes.shape[-1] == e else codes[..., :e]
+    stream = (packed.unsqueeze(-1) >> _shifts(1, 8, packed.device)).bitwise_and_(1).flatten(-2)
+    stream = stream[..., : e * bits].reshape(*packed.shape[:-1], e, bits)  # [..., e, bits]
+    return (stream << _shifts(1, bits, packed.device)).sum(-1, dtype=torch.uint8)
+
+
+def token_groups(head_dim: int, group_size: int) -> int:
+    """Groups per token for ``axis: token``: ``ceil(D / G)``, raised until it divides ``D``."""
+    n = -(-head_dim // min(group_size, head_dim))
+    while head_dim % n:
+        n += 1
+    return n
+
+
+class BlockCodec:
+    def __init__(self, backend, group_size: int, head_dim: int, axis: str, dtype: torch.dtype):
+        if not dtype.is_floating_point:
+            raise CacheError(f"quantize: keys and values must be floating point, got {dtype}")
+        self.backend, self.g, self.d, self.axis, self.dtype = backend, group_size, head_dim, axis, dtype
+        if axis == "channel":
+            self.shape, self.dim, self.meta_shape = (group_size, head_dim), -2, (1, head_dim)
+        else:
+            n = token_groups(head_dim, group_size)
+            self.shape, self.dim, self.meta_shape = (group_size, n, head_dim // n), -1, (group_size, n, 1)
+        self.elements = group_size * head_dim
+        self.groups = math.prod(self.meta_shape)
+        self.size = size = torch.empty((), dtype=dtype).element_size()
+        self.code_bytes = -(-self.elements * backend.bits // 8)
+        self.meta_at = -(-self.code_bytes // size) * size
+        self.meta_bytes = self.groups * size
+        self.row_bytes = self.meta_at + self.meta_bytes * (2 if backend.has_offset else 1)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, t, _ = x.shape
+        n = t // self.g
+        blocks = x.reshape(b, h, n, *self.shape)  # [B, H, N, G, D] (token axis: [.., G, n, g])
+        codes, scale, offset = self.backend.quantize(blocks, self.dim)
+        rows = torch.zeros((b, h, n, self.row_bytes), dtype=torch.uint8, device=x.device)  # [B, H, N, row]
+        codes = codes.reshape(b, h, n, self.elements)
+        if codes.dtype != torch.uint8:
+            codes = codes.view(torch.uint8)  # fp8 codes, one byte each
+        rows[..., : self.code_bytes] = pack(codes, self.backend.bits)
+        for i, meta in enumerate((scale, offset) if self.backend.has_offset else (scale,)):
+            at = self.meta_at + i * self.meta_bytes
+            meta = meta.to(self.dtype).reshape(b, h, n, self.groups).contiguous()
+            rows[..., at : at + self.meta_bytes] = meta.view(torch.uint8)
+        return rows
+
+    def decode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        b, h, n, _ = rows.shape
+        view = out.view(b, h, n, *self.shape)  # [B, H, N, G, D] over the caller's output
+        codes = rows[..., : self.code_bytes]
+        scale = self._meta(rows, 0)
+        if not self.backend.has_offset:  # fp8
+            torch.mul(codes.view(self.backend.code_dtype).reshape(view.shape).to(self.dtype), scale, out=view)
+            return
+        offset, bits = self._meta(rows, 1), self.backend.bits
+        per = 8 // bits if 8 % bits == 0 else 0
+        # per-token groups: copy (uint8 -> float), then in-place mul and add (three vectorized
+        # passes, faster on CPU than one mixed-dtype addcmul broadcasting along the head dim)
+        if bits == 8 or not per or self.g % per:
+            view.copy_(unpack(codes, bits, self.elements).reshape(view.shape))
+            view.mul_(scale).add_(offset)
+            return
+        t = self.g // per  # tokens per plane: plane i is tokens [i*t, (i+1)*t) of every block
+        for i in range(per):
+            lo, hi = i * t, (i + 1) * t
+            dst = view[:, :, :, lo:hi]
+            part = plane(codes, bits, i).view(b, h, n, t, *self.shape[1:])
+            if self.axis == "channel":  # scale and offset broadcast over tokens: addcmul is fastest
+                torch.addcmul(offset, part, scale, out=dst)
+            else:
+                dst.copy_(part).mul_(scale[:, :, :, lo:hi]).add_(offset[:, :, :, lo:hi])
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape, dtype=self.dtype, device=x.device)
+        self.decode(self.encode(x), out)
+        return out
+
+    def _meta(self, rows: torch.Tensor, i: int) -> torch.Tensor:
+        at = self.meta_at + i * self.meta_bytes
+        meta = rows[..., at : at + self.meta_bytes]
+        if meta.storage_offset() % self.size or any(s % self.size for s in meta.stride()[:-1]):
+            meta = meta.contiguous()  # bytes not aligned for a dtype view (never for block stores)
+        return meta.view(self.dtype).reshape(*rows.shape[:-1], *self.meta_shape)
