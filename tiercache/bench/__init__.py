@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     --repeats N           timed runs per setup, the fastest kept (default 3).
     --device D            cpu | cuda | cuda:N (default: cuda when available).
     --dtype T             float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA).
-    --threads N           torch CPU threads (default: torch's).
+    --threads N           torch CPU threads (default 1, stable timings; 0: torch's default).
     --out DIR             where bench.md, bench.json and bench.png go (default out/bench).
     --no-progress         no progress bar.
     """

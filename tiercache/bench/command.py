@@ -27,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setup (fastest kept)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: stable timings on a shared machine; 0 = torch's default)")
     p.add_argument("--out", default="out/bench", help="output directory")
     p.add_argument("--no-progress", action="store_true")
     return p
