@@ -203,3 +203,26 @@ def test_bad_operations(kind):
         layer.repeat_interleave(0)
     layer.reset()
     assert layer.seq_length() == 0 and layer.kv() is None and layer.nbytes() == {}
+
+
+def test_static_decode_step_compiles_without_recompiling_per_token():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def step(layer, k, v, q):
+        keys, values = layer.update(k, v)
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values)
+
+    compiled = torch.compile(step, backend="eager")
+    ours, ref = StaticLayer(64), StaticLayer(64)
+    prompt = kv(5)[0]
+    for layer in (ours, ref):
+        layer.update(prompt, prompt)
+    for i in range(12):
+        k = kv(1, seed=100 + i)[0]
+        q = torch.randn(B, H, 1, D)
+        out = compiled(ours, k, k, q)
+        assert torch.equal(out, step(ref, k, k, q))
+    assert counters["stats"]["unique_graphs"] <= 2  # a first graph, then one with the length symbolic
