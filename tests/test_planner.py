@@ -63,8 +63,14 @@ def test_quantize_byte_math_4_5_bits_per_element():
     spec = ModelSpec("m", 1, ("full_attention",), kv_heads=8, head_dim=128, dtype="bfloat16")
     elements = 2 * 8 * 128 * 1024  # K and V of 1024 tokens
     assert quantized_bytes(q, spec, 1, 1024) * 8 / elements == pytest.approx(4.5)
-    assert quantize_split(q, 1000) == (832, 168)  # residual >= 128, whole blocks of 64
-    assert quantize_split(q, 100) == (0, 100)
+    # KIVI: the residual fills to 128 tokens, then its two blocks of 64 are packed
+    assert quantize_split(q, 1000) == (896, 104)
+    assert quantize_split(q, 3000) == (2944, 56)  # 46 blocks packed, 56 exact
+    assert [quantize_split(q, n) for n in (100, 127, 128, 129)] == [(0, 100), (0, 127), (128, 0), (128, 1)]
+    odd = QuantizePolicy(bits=4, group_size=64, residual_length=100)  # one block per flush, 36 stay
+    assert [quantize_split(odd, n) for n in (99, 100, 163, 164)] == [(0, 99), (64, 36), (64, 99), (128, 36)]
+    short = QuantizePolicy(bits=4, group_size=8, residual_length=4)  # R < G: flushed at a whole block
+    assert [quantize_split(short, n) for n in (7, 8, 15, 16)] == [(0, 7), (8, 0), (8, 7), (16, 0)]
 
 
 def test_plan_full_precision_llama_128k_is_16_gib():
@@ -100,7 +106,9 @@ def test_offload_moves_history_to_host_and_keeps_mirrors_on_device():
 def test_budget_verdicts_and_workspace():
     q = {"name": "q", "quantize": {"bits": 4}, "budget": {"device": "4.6GiB"}}
     p = plan(q, LLAMA8B, 1, 131072)
-    assert p.bytes["device"] < 4.6 * 2**30 < p.bytes["device"] + p.workspace
+    assert p.workspace == 131072 * 8 * 128 * 2 * 2  # one layer's K and V at 128k (bf16), shared, held
+    assert p.bytes["device"] - p.workspace < 4.6 * 2**30 < p.bytes["device"]  # the workspace tips it
+    assert p.verdicts()["device"] == (p.bytes["device"], int(4.6 * 2**30), False)
     assert not p.fits and "DOES NOT FIT" in p.table()
     p = plan({**q, "budget": {"device": "6GiB", "host": "1GiB"}}, LLAMA8B, 1, 131072)
     assert p.fits and set(p.verdicts()) == {"device", "host"}

@@ -78,13 +78,15 @@ def _check(policy, config, monkeypatch, dtype=torch.float32):
     cache = _filled(policy, config, dtype)
     p = plan(cache.policy if policy.auto else policy, config, BATCH, PREFILL + STEPS)
     real = tier_bytes(cache.nbytes(), "cpu")
-    slots = cache._shared.nbytes().get("cpu", 0)  # the prefetcher's device mirrors
+    work = cache._shared.workspace_nbytes().get("cpu", 0)  # the quantized layers' dequantization workspace
+    slots = cache._shared.nbytes().get("cpu", 0) - work  # the prefetcher's device mirrors
     assert real.keys() == p.bytes.keys()
     for tier in real:
         held, planned = real[tier], p.bytes[tier]
-        if tier == "device":  # the mirror slots are checked on their own below
-            held, planned = held - slots, planned - p.mirrors
+        if tier == "device":  # the mirror slots and the workspace are checked on their own below
+            held, planned = held - slots - work, planned - p.mirrors - p.workspace
         assert _close(held, planned), f"{tier}: real {real} vs plan {p.bytes}\n{p.table()}"
+    assert work == p.workspace, f"workspace: real {work} vs plan {p.workspace}"
     sizes = {r.mirror for r in p.layers if r.mirror}
     if len(sizes) <= 1:  # offloaded layers alike: the slots are predicted exactly
         assert _close(slots, p.mirrors), f"mirror slots: real {slots} vs plan {p.mirrors}"

@@ -123,7 +123,10 @@ class TieredCache(Cache):
         """transformers' convention: negative removes that many tokens, positive keeps that many."""
         seen = self.get_seq_length()
         remove = -max_length if max_length < 0 else max(seen - max_length, 0) if max_length > 0 else 0
-        self._each("crop", remove)
+        # All or nothing: every layer validates first; sliding layers (the only ones that may
+        # still refuse, having dropped tokens) are cropped before the others.
+        self._each("validate_crop", remove)
+        self._each("crop", remove, order=sorted(range(len(self.layers)), key=lambda i: not self.layers[i].is_sliding))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._each("reorder", beam_idx)
@@ -171,10 +174,10 @@ class TieredCache(Cache):
             )
         return self.layers[layer_idx]
 
-    def _each(self, method: str, *args) -> None:
+    def _each(self, method: str, *args, order=None) -> None:
         """Apply an operation to every layer; a layer's CacheError names its index."""
-        for i, layer in enumerate(self.layers):
+        for i in range(len(self.layers)) if order is None else order:
             try:
-                getattr(layer, method)(*args)
+                getattr(self.layers[i], method)(*args)
             except CacheError as e:
                 raise CacheError(f"layer {i}: {e}") from None

@@ -7,13 +7,18 @@
 
 Quantize sits *outside* Offload so that what is kept on the host and crosses the bus is the
 packed blocks, and the residual window stays on the compute device. ``Shared`` carries what
-the layers of one cache share: the offload prefetcher (side stream, device buffers).
+the layers of one cache share: the offload prefetcher (side stream, device buffers) and the
+dequantization workspace of the quantized layers (``Shared.workspace``).
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from tiercache.layers.base import KVLayer
-from tiercache.layers.buffer import CHUNK
+from tiercache.layers.buffer import CHUNK, capacity_for
 from tiercache.layers.full import FullLayer
 from tiercache.layers.sliding import SlidingLayer
 from tiercache.layers.static import StaticLayer
@@ -34,10 +39,19 @@ def make_storage(window: int | None = None, max_length: int | None = None, tier=
 
 
 class Shared:
-    """Objects shared by the layers of one cache; created lazily, closed with the cache."""
+    """Objects shared by the layers of one cache; created lazily, closed with the cache.
+
+    ``workspace(shapes, dtype, device)``: tensors of ``shapes`` (each ``[..., S, D]``), laid one
+    after the other in one reusable buffer per (dtype, device). Quantize returns its dequantized
+    K/V in them, so a decode step allocates nothing; they are valid until the next call (the next
+    update on the cache), which overwrites them. The buffer grows to the largest request so far,
+    each shape counted with ``S`` rounded up to whole chunks (``capacity_for``), never shrinks,
+    and is reported once by ``nbytes()`` under the device's place.
+    """
 
     def __init__(self):
         self._prefetcher = None
+        self._workspaces: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     @property
     def prefetcher(self):
@@ -47,13 +61,40 @@ class Shared:
             self._prefetcher = Prefetcher()
         return self._prefetcher
 
+    def workspace(self, shapes, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        need = [math.prod(s) for s in shapes]
+        buf = self._workspaces.get((dtype, device))
+        if buf is None or buf.numel() < sum(need):  # rounded up, so this is rare: only then the chunks
+            capacity = sum(math.prod(s[:-2]) * capacity_for(s[-2]) * s[-1] for s in shapes)
+            if buf is None or buf.numel() < capacity:
+                buf = self._workspaces[(dtype, device)] = None  # the old one is freed before the new is made
+                buf = self._workspaces[(dtype, device)] = torch.empty(capacity, dtype=dtype, device=device)
+        out, at = [], 0
+        for shape, n in zip(shapes, need):
+            out.append(buf.narrow(0, at, n).view(shape))
+            at += n
+        return out
+
+    def workspace_nbytes(self) -> dict[str, int]:
+        """Bytes of the dequantization workspaces, per place (part of ``nbytes()``)."""
+        from tiercache.tiers import place_of
+
+        out: dict[str, int] = {}
+        for (_, device), buf in self._workspaces.items():
+            out[place_of(device)] = out.get(place_of(device), 0) + buf.numel() * buf.element_size()
+        return out
+
     def nbytes(self) -> dict[str, int]:
-        """Bytes of shared buffers (the prefetcher's device mirrors), per place."""
-        return self._prefetcher.nbytes() if self._prefetcher is not None else {}
+        """Bytes of shared buffers (the prefetcher's device mirrors, the workspaces), per place."""
+        out = dict(self._prefetcher.nbytes()) if self._prefetcher is not None else {}
+        for place, n in self.workspace_nbytes().items():
+            out[place] = out.get(place, 0) + n
+        return out
 
     def close(self) -> None:
         if self._prefetcher is not None:
             self._prefetcher.close()
+        self._workspaces.clear()
 
 
 def build_layer(lp: LayerPolicy, shared: Shared) -> KVLayer:
@@ -70,7 +111,7 @@ def build_layer(lp: LayerPolicy, shared: Shared) -> KVLayer:
         return make_store(lp.window, max_length)
     from tiercache.processors.quantize import Quantize
 
-    return Quantize(make_store, lp.quantize, window=lp.window, max_length=max_length)
+    return Quantize(make_store, lp.quantize, window=lp.window, max_length=max_length, shared=shared)
 
 
 def build_layers(layer_policies: list[LayerPolicy]) -> tuple[list[KVLayer], Shared]:

@@ -3,9 +3,12 @@
 Interface
     layer_footprint(lp, model, batch, tokens) -> Footprint
         what layer ``lp`` holds once it has seen ``tokens`` tokens, per tier
-        (``device`` | ``host`` | ``disk``), plus its full-precision working set.
+        (``device`` | ``host`` | ``disk``), and for a quantized layer the tokens one decode step
+        returns (what it needs of the shared workspace).
     mirror_bytes(footprints, prefetch) -> int
         device bytes of the offload prefetcher's mirror buffers, shared by all layers.
+    workspace_bytes(footprints, model, batch) -> int
+        device bytes of the dequantization workspace the quantized layers share (``chain.Shared``).
 
 The formulas follow the layers' allocation rules, so they predict ``nbytes()`` (allocated, not
 logical bytes) rather than ``tokens * bytes per token``. They describe a cache in steady
@@ -14,12 +17,16 @@ sliding buffer can be one slack smaller.
 - ``full``: a buffer grown to ``capacity_for(tokens)`` (whole CHUNKs of 256 tokens);
 - ``sliding``: ``window`` tokens plus ``min(window, CHUNK)`` slack, in CHUNKs;
 - ``static``: ``max_length`` tokens, preallocated;
-- ``quantize`` (``processors/quantize.py``, ``blocks.py``): a residual buffer of
-  ``residual_length + group_size`` full-precision tokens on the compute device, and a store of
-  packed rows, one per block of ``group_size`` tokens (``STORE_CHUNK`` rows at a time), each row
+- ``quantize`` (``processors/quantize.py``, ``blocks.py``): the residual, exactly the
+  ``r(tokens)`` full-precision tokens it holds (``quantize_split``: a function of the tokens seen
+  alone, whatever the prefill and step sizes), on the compute device; a store of packed rows,
+  one per block of ``group_size`` tokens (``STORE_CHUNK`` rows at a time), each row
   ``[codes | pad | scale | offset]`` with scale and offset in the model dtype: one per channel
   (``channel`` axis) or per run of channels of each token (``token`` axis). A sliding layer's
   store keeps ``ceil((window - 1) / group_size) + 1`` blocks; a static one ``max_length // G``.
+  The quantized layers share one workspace (``chain.Shared.workspace``): the K/V a decode step
+  returns for the layer that returns the most (``tokens``; a sliding layer ``min(tokens,
+  window)``), in whole CHUNKs of tokens.
 - ``offload`` (``processors/offload.py``): the store lives on the host or disk tier; the shared
   prefetcher keeps ``min(prefetch + 1, offloaded layers)`` device slots, each holding one
   layer's mirror (``capacity_for(kept + 1)`` tokens or rows, at least the host capacity);
@@ -45,7 +52,7 @@ class Footprint:
     held: dict = field(default_factory=dict)
     tokens: int = 0  # tokens the layer keeps (after its window)
     mirrored: int = 0  # bytes of the offloaded part (what the prefetcher copies to the device)
-    working: int = 0  # full-precision K/V bytes attention sees for this layer (transient when quantized)
+    returned: int = 0  # tokens a quantized layer's decode step returns (in the shared workspace); 0 otherwise
 
     def total(self) -> int:
         return sum(self.held.values())
@@ -107,41 +114,47 @@ def _block_bytes(q: QuantizePolicy, model: ModelSpec) -> int:
 def quantize_split(q: QuantizePolicy, seen: int) -> tuple[int, int]:
     """(packed tokens, residual tokens) after ``seen`` tokens went through a Quantize layer.
 
-    The residual holds at least ``residual_length`` tokens; older tokens are packed only in
-    whole blocks of ``group_size``, so up to ``group_size - 1`` more stay in full precision.
+    KIVI: the residual fills up to ``residual_length`` (at least one block), then its whole
+    blocks are packed (``processors/quantize.py``: ``flush_split``), so it holds fewer than
+    ``max(residual_length, group_size)`` tokens, and how many depends on ``seen`` alone.
     """
-    spare = max(seen - q.residual_length, 0)
-    packed = spare // q.group_size * q.group_size
+    from tiercache.processors.quantize import flush_split
+
+    packed = flush_split(0, seen, q.residual_length, q.group_size)
     return packed, seen - packed
 
 
 def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) -> Footprint:
     kept = kept_tokens(lp, tokens)
-    working = _fp_bytes(model, batch, kept)
     cold = "host" if lp.offload is None or lp.offload.device == "cpu" else "disk"
     if lp.quantize is None:
         cap = storage_capacity(lp, tokens)
         fp = _fp_bytes(model, batch, cap)
         if lp.offload is None:
-            return Footprint({"device": fp}, kept, 0, working)
-        return Footprint({cold: fp}, kept, _fp_bytes(model, batch, _mirror_tokens(cap, kept)), working)
+            return Footprint({"device": fp}, kept)
+        return Footprint({cold: fp}, kept, _fp_bytes(model, batch, _mirror_tokens(cap, kept)))
+    returned = min(tokens, lp.window) if lp.storage == "sliding" and lp.window else tokens
     q = lp.quantize
     packed, residual = quantize_split(q, tokens)
     blocks = packed // q.group_size
     chunk = STORE_CHUNK
     window = -(-(lp.window - 1) // q.group_size) + 1 if lp.storage == "sliding" and lp.window else None
     rows = storage_capacity(lp, blocks, chunk, window, max(1, (lp.max_length or 0) // q.group_size))
+    first = max(q.residual_length, q.group_size)
+    if window and blocks and (first - first % q.group_size) // q.group_size > chunk:
+        # a flush appends several rows at once: SlidingLayer's long-update path keeps the last
+        # window - 1 rows with one row of slack, every time
+        rows = min(blocks, window - 1) + 1
     block = batch * model.kv_heads * _block_bytes(q, model)
     store = rows * block
-    resid = _fp_bytes(model, batch, q.residual_length + q.group_size) if tokens else 0
     kept_rows = min(blocks, window - 1) if window else blocks
-    held = {"device": resid}
+    held = {"device": _fp_bytes(model, batch, residual)}
     if lp.offload is None:
         held["device"] += store
-        return Footprint(held, min(kept, kept_rows * q.group_size + residual), 0, working)
+        return Footprint(held, min(kept, kept_rows * q.group_size + residual), 0, returned)
     held[cold] = store
     mirror = block * _mirror_tokens(rows, kept_rows) if blocks else 0
-    return Footprint(held, min(kept, kept_rows * q.group_size + residual), mirror, working)
+    return Footprint(held, min(kept, kept_rows * q.group_size + residual), mirror, returned)
 
 
 def _mirror_tokens(host_capacity: int, kept: int) -> int:
@@ -149,6 +162,13 @@ def _mirror_tokens(host_capacity: int, kept: int) -> int:
     CHUNKs for the kept tokens plus one, or reuses the host buffer's capacity when that is
     larger (sliding and static layers); slots never shrink."""
     return max(capacity_for(kept + 1), host_capacity)
+
+
+def workspace_bytes(footprints: list[Footprint], model: ModelSpec, batch: int) -> int:
+    """The shared dequantization workspace: the largest decode step's K and V, in whole CHUNKs
+    of tokens (``chain.Shared.workspace``); 0 without quantized layers."""
+    most = max((f.returned for f in footprints), default=0)
+    return _fp_bytes(model, batch, capacity_for(most)) if most else 0
 
 
 def mirror_bytes(footprints: list[Footprint], prefetch: int) -> int:

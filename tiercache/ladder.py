@@ -107,7 +107,7 @@ def walk(auto: Policy, spec, batch: int, context: int):
     if not planned:
         raise PolicyError(f"policy: no rung of the auto ladder is valid: {rungs[0].verdict}")
     if chosen is None:
-        best = min(planned, key=lambda r: (r.plan.bytes["device"] + r.plan.workspace, sum(r.plan.bytes.values())))
+        best = min(planned, key=lambda r: (r.plan.bytes["device"], sum(r.plan.bytes.values())))
         best.verdict += " | smallest reachable footprint"
         chosen = best.plan
     result = replace(chosen, rungs=rungs, requested=auto)

@@ -22,7 +22,7 @@ def render(plan) -> str:
     )
     if p.rungs is not None:
         lines += ["", "auto ladder (least lossy first; the first rung that fits is chosen):"]
-        lines += _grid(["#", "rung", "device", "host", "disk", "+workspace", "verdict"],
+        lines += _grid(["#", "rung", "device", "host", "disk", "workspace", "verdict"],
                        [[str(i + 1), r.name, *_rung_bytes(r, human), r.verdict] for i, r in enumerate(p.rungs)])
         lines += ["", f"chosen: {p.policy.name}"]
     lines.append("")
@@ -31,14 +31,14 @@ def render(plan) -> str:
     if p.mirrors:
         rows.append(["", "", "offload mirrors", "device copies of prefetch+1 layers", "device", "",
                      human(p.mirrors), "", ""])
-    rows.append(["", str(len(p.layers)), "total held", "", "", "", *(human(p.bytes[t]) for t in TIERS)])
     if p.workspace:
-        rows.append(["", "", "workspace", "transient: one layer dequantized", "device", "", human(p.workspace), "", ""])
+        rows.append(["", "", "workspace", "shared: one decode step dequantized", "device", "", human(p.workspace), "", ""])
+    rows.append(["", str(len(p.layers)), "total held", "", "", "", *(human(p.bytes[t]) for t in TIERS)])
     lines += _grid(["layers", "n", "type", "form", "history", "tokens", "device", "host", "disk"], rows)
     lines.append("")
     verdicts = p.verdicts()
     for tier, (used, limit, ok) in verdicts.items():
-        extra = f" (held {human(p.bytes['device'])} + workspace {human(p.workspace)})" if tier == "device" and p.workspace else ""
+        extra = f" (workspace {human(p.workspace)} included)" if tier == "device" and p.workspace else ""
         lines.append(f"budget {tier}: {human(used)}{extra} of {human(limit)}: {'fits' if ok else 'DOES NOT FIT'}")
     lines += [f"problem: {msg}" for msg in p.problems]
     if not verdicts and not p.problems:
@@ -73,7 +73,7 @@ def _indices(idx: list[int]) -> str:
 
 def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    right = {"device", "host", "disk", "tokens", "+workspace", "n"}
+    right = {"device", "host", "disk", "tokens", "workspace", "n"}
     fmt = lambda cells: "  ".join(  # noqa: E731
         (c.rjust(w) if h in right else c.ljust(w)) for c, w, h in zip(cells, widths, header)).rstrip()
     return [fmt(header), *(fmt(r) for r in rows)]

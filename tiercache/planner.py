@@ -12,11 +12,13 @@ Interface
 
 Plan
     .bytes       {"device", "host", "disk"}: bytes *held* once ``context_length`` tokens are in
-                 the cache: what ``TieredCache.nbytes()`` reports (allocated, chunk-rounded).
-    .workspace   transient device bytes beyond ``.bytes``: one layer's full-precision K/V that
-                 attention sees when the history is quantized (dequantized per step).
-    .fits        every tier named in ``policy.budget`` holds its bytes; the device verdict
-                 counts ``.bytes["device"] + .workspace``. True when there is no budget.
+                 the cache: what ``TieredCache.nbytes()`` reports (allocated, chunk-rounded),
+                 the shared buffers (offload mirrors, dequantization workspace) included.
+    .workspace   the part of ``.bytes["device"]`` that is the quantized layers' shared
+                 dequantization workspace: the full-precision K/V one decode step returns for
+                 the largest layer (``tiercache.footprint.workspace_bytes``).
+    .fits        every tier named in ``policy.budget`` holds its bytes (``.bytes``, workspace
+                 and mirrors included). True when there is no budget.
     .layers      one LayerRow per layer; ``.rungs`` (auto only) one Rung per ladder candidate.
     .table()     the human-readable report.
 
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.errors import PolicyError
-from tiercache.footprint import TIERS, Footprint, layer_footprint, mirror_bytes
+from tiercache.footprint import TIERS, Footprint, layer_footprint, mirror_bytes, workspace_bytes
 from tiercache.model_spec import PRESETS, ModelSpec
 from tiercache.policy import Budget, Policy, load_policy
 from tiercache.tiers import place_of
@@ -63,7 +65,7 @@ class Plan:
     mirrors: int  # offload prefetcher's device slots (part of bytes["device"]; an upper bound
     #              when offloaded layers differ in size, see tiercache.footprint.mirror_bytes)
     bytes: dict
-    workspace: int
+    workspace: int  # part of bytes["device"], like mirrors
     problems: list[str] = field(default_factory=list)
     rungs: list | None = None  # tiercache.ladder.Rung rows, for auto policies
     requested: Policy | None = None  # the auto policy, when ``policy`` was chosen by the ladder
@@ -78,7 +80,7 @@ class Plan:
         for tier in TIERS:
             limit = getattr(self.budget, tier, None) if self.budget is not None else None
             if limit is not None:
-                used = self.bytes[tier] + (self.workspace if tier == "device" else 0)
+                used = self.bytes[tier]
                 out[tier] = (used, int(limit), used <= limit)
         return out
 
@@ -122,11 +124,11 @@ def plan_concrete(policy: Policy, spec: ModelSpec, batch: int, context: int) -> 
     prints: list[Footprint] = [layer_footprint(lp, spec, batch, context) for lp in layer_policies]
     prefetch = max((lp.offload.prefetch for lp in layer_policies if lp.offload is not None), default=0)
     mirrors = mirror_bytes(prints, prefetch)
+    workspace = workspace_bytes(prints, spec, batch)
     totals = {tier: sum(f.held.get(tier, 0) for f in prints) for tier in TIERS}
-    totals["device"] += mirrors
+    totals["device"] += mirrors + workspace
     rows = [LayerRow(lp.index, lp.layer_type, _form(lp, spec), _place(lp), f.tokens,
                      {t: f.held.get(t, 0) for t in TIERS}, f.mirrored) for lp, f in zip(layer_policies, prints)]
-    workspace = max((f.working for lp, f in zip(layer_policies, prints) if lp.quantize is not None), default=0)
     problems = []
     if policy.storage == "static" and policy.max_length is not None and context > policy.max_length:
         problems.append(f"context {context} exceeds static max_length {policy.max_length}")
@@ -234,4 +236,4 @@ def _budget_text(budget: Budget | None) -> str:
 
 
 def _bytes_text(p: Plan) -> str:
-    return ", ".join(f"{t} {human(p.bytes[t])}" for t in TIERS) + f" (+ workspace {human(p.workspace)})"
+    return ", ".join(f"{t} {human(p.bytes[t])}" for t in TIERS) + f" (workspace {human(p.workspace)} included)"

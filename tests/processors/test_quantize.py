@@ -1,8 +1,9 @@
 """Quantize processor vs a plain full-precision reference that quantize-dequantizes the same blocks once.
 
-The reference keeps every token in one tensor; whenever the same flush rule packs tokens it
-replaces them by ``codec.roundtrip`` of those blocks. With the native backend the comparison
-is exact (``torch.equal``).
+The reference keeps every token in one tensor; it applies the KIVI flush rule one token at a
+time (whenever the residual reaches ``residual_length``, its whole blocks are packed) and
+replaces the packed tokens by ``codec.roundtrip`` of those blocks. With the native backend the
+comparison is exact (``torch.equal``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ STEPS = [7, 1, 1, 3, 1, 9, 1, 1, 1, 2]  # tokens per update: a prefill, decode s
 
 class Reference:
     """All tokens in full precision; flushed ones replaced once by their quantize-dequantize
-    (after the update that packs them, which still returns them exact)."""
+    (after the update that packs them, which still returns them exact). The flush rule is
+    simulated token by token, so a multi-token update must leave what one-token updates would."""
 
     def __init__(self, layer: Quantize, window: int | None):
         self.layer, self.window = layer, window
@@ -44,7 +46,12 @@ class Reference:
         visible = self.k.shape[2] if self.window is None else self.window - 1 + k.shape[2]
         out = self.k[:, :, -visible:].clone(), self.v[:, :, -visible:].clone()  # tokens packed now: still exact
         g, r = self.layer.g, self.layer.r
-        end = self.packed + max(0, (self.k.shape[2] - self.packed - r) // g) * g
+        held = self.k.shape[2] - k.shape[2] - self.packed  # residual before this update
+        for _ in range(k.shape[2]):
+            held += 1
+            if held >= r:  # the residual reached R: its whole blocks are packed, oldest first
+                held -= held // g * g
+        end = self.k.shape[2] - held
         if end > self.packed:
             ck, cv = self.layer.codecs
             self.k[:, :, self.packed : end] = ck.roundtrip(self.k[:, :, self.packed : end])
@@ -90,8 +97,8 @@ def test_update_matches_reference(config, kind, dtype):
     ref = Reference(layer, kind.get("window"))
     run(layer, ref, STEPS, dtype)
     assert layer.seq_length() == sum(STEPS)
-    assert len(layer.residual) >= min(config.residual_length, sum(STEPS))
-    assert len(layer.residual) < config.residual_length + config.group_size
+    assert len(layer.residual) == ref.k.shape[2] - ref.packed
+    assert len(layer.residual) < max(config.residual_length, config.group_size)
 
 
 @pytest.mark.parametrize("kind", [KINDS[0], KINDS[2], KINDS[3]])
@@ -164,7 +171,7 @@ def test_quantizes_each_block_once(monkeypatch):
         layer.update(*kv(t, torch.float32, i))
     packed = layer.store.seq_length()
     assert sum(calls) == 2 * packed  # keys and values: every block quantized exactly once
-    assert packed == (sum(steps) - layer.r) // layer.g
+    assert packed * layer.g + len(layer.residual) == sum(steps) and len(layer.residual) < layer.r
 
 
 def test_sliding_mask_sizes_match_sliding_layer():

@@ -15,6 +15,10 @@ Required
     crop(n)
         Remove the last ``n`` tokens (``0 <= n <= seq_length()``). ``crop(0)`` lets a sliding
         layer trim what it kept for a rollback back to its working size.
+    validate_crop(n)
+        Raise ``CacheError`` if ``crop(n)`` would be refused, changing nothing (the default
+        checks ``0 <= n <= seq_length()``; a sliding layer also checks it still holds the
+        tokens). ``TieredCache.crop`` asks every layer first, so a refused crop changes no layer.
     reorder(beam_idx) / select(indices) / repeat_interleave(repeats)
         Batch-dimension operations: beam reorder (gather), batch select, batch repeat-interleave.
     reset()
@@ -78,6 +82,9 @@ class KVLayer(ABC):
 
     def max_length(self) -> int:
         return -1
+
+    def validate_crop(self, n: int) -> None:
+        check_crop(n, self.seq_length())
 
     def prefetch(self) -> None:
         """Hook: begin moving this layer to the compute device ahead of use."""

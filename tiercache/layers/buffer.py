@@ -75,7 +75,9 @@ class Buffer:
 
     def gather(self, index: torch.Tensor) -> None:
         """Batch rows ``index`` (beam reorder, select, repeat-interleave), into fresh memory."""
-        if self.keys is None:
+        if self.keys is None:  # nothing held (a window of 1 keeps no token): the batch still changes
+            if self.spec is not None:
+                self.spec = self.spec.with_batch(index.numel())
             return
         index = index.to(self.keys.device)
         held = len(self)

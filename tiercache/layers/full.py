@@ -30,9 +30,13 @@ class FullLayer(KVLayer):
         self.buffer.truncate(n)
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
+        if self.buffer.spec is None:  # never written (or reset): nothing to reorder, as in transformers
+            return
         self._gather(check_batch_indices(beam_idx, self._batch(), "reorder"))
 
     def select(self, indices: torch.Tensor) -> None:
+        if self.buffer.spec is None:  # never written (or reset): nothing to select, as in transformers
+            return
         self._gather(check_batch_indices(indices, self._batch(), "select"))
 
     def repeat_interleave(self, repeats: int) -> None:

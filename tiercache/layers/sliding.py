@@ -76,7 +76,7 @@ class SlidingLayer(KVLayer):
         if not on:
             self._trim()
 
-    def crop(self, n: int) -> None:
+    def validate_crop(self, n: int) -> None:
         check_crop(n, self.seen)
         held, keep = len(self.buffer), self.window - 1
         if held - n < min(keep, self.seen - n):
@@ -85,14 +85,21 @@ class SlidingLayer(KVLayer):
                 "tokens before the window are gone; call record_past(True) (activate_past_recording) before "
                 "updates you may want to roll back"
             )
+
+    def crop(self, n: int) -> None:
+        self.validate_crop(n)
         self.buffer.truncate(n)
         self.seen -= n
         self._trim(always=True)  # a crop ends a recorded step: back to the working size
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
+        if self.buffer.spec is None:  # never written (or reset): nothing to reorder, as in transformers
+            return
         self.buffer.gather(check_batch_indices(beam_idx, self._batch(), "reorder"))
 
     def select(self, indices: torch.Tensor) -> None:
+        if self.buffer.spec is None:  # never written (or reset): nothing to select, as in transformers
+            return
         self.buffer.gather(check_batch_indices(indices, self._batch(), "select"))
 
     def repeat_interleave(self, repeats: int) -> None:

@@ -16,8 +16,10 @@ group spans: ``channel`` (KIVI keys) one channel over the block's ``G`` tokens, 
 of ``g`` channels of one token, ``g = D / ceil(D / G)`` (the whole head when ``G >= D``; if
 ``D`` does not split evenly, the next group count that divides it).
 
-Dequantization is one vectorized ``codes * scale + offset`` over all blocks (per bit plane),
-written straight into the caller's output slice, so a step costs one pass over the packed history.
+Dequantization runs over all blocks at once, straight into the caller's output slice: the codes
+are unpacked plane by plane (a shift-and-mask over the bytes, then a casting copy into the
+plane's tokens), then ``out * scale + offset`` in place, so a step costs one pass over the
+packed history and two over its dequantized output, with no temporary of the output's size.
 """
 
 from __future__ import annotations
@@ -61,8 +63,11 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (stream << _shifts(1, 8, codes.device)).sum(-1, dtype=torch.uint8)
 
 
-def plane(packed: torch.Tensor, bits: int, i: int) -> torch.Tensor:
-    """Codes ``i * E / per ...`` of planar bytes: one contiguous ``[..., bytes]`` uint8 pass."""
+def plane(packed: torch.Tensor, bits: int, i: int, top: bool = False) -> torch.Tensor:
+    """Codes ``i * E / per ...`` of planar bytes: one contiguous ``[..., bytes]`` uint8 pass
+    (``top``: the highest plane, where the shift alone suffices)."""
+    if top:
+        return packed >> (i * bits)
     return (packed >> (i * bits)) & (2**bits - 1) if i else packed & (2**bits - 1)
 
 
@@ -103,6 +108,7 @@ class BlockCodec:
         self.meta_at = -(-self.code_bytes // size) * size
         self.meta_bytes = self.groups * size
         self.row_bytes = self.meta_at + self.meta_bytes * (2 if backend.has_offset else 1)
+        self._last = None  # (rows key, (codes, scale, offset)): see _parts
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         b, h, t, _ = x.shape
@@ -121,30 +127,53 @@ class BlockCodec:
         return rows
 
     def decode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Two vectorized passes over ``out``: codes as floats, then ``* scale + offset`` in place.
+
+        On CPU this beats the alternatives measured: a 256-entry byte -> floats lookup
+        (``index_select`` / ``embedding``: gathers are not vectorized, 5-10x slower), and a mixed
+        uint8-float ``addcmul`` (it makes a float copy of the codes first).
+        """
         b, h, n, _ = rows.shape
         view = out.view(b, h, n, *self.shape)  # [B, H, N, G, D] over the caller's output
-        codes = rows[..., : self.code_bytes]
-        scale = self._meta(rows, 0)
-        if not self.backend.has_offset:  # fp8
-            torch.mul(codes.view(self.backend.code_dtype).reshape(view.shape).to(self.dtype), scale, out=view)
-            return
-        offset, bits = self._meta(rows, 1), self.backend.bits
-        per = 8 // bits if 8 % bits == 0 else 0
-        # per-token groups: copy (uint8 -> float), then in-place mul and add (three vectorized
-        # passes, faster on CPU than one mixed-dtype addcmul broadcasting along the head dim)
-        if bits == 8 or not per or self.g % per:
-            view.copy_(unpack(codes, bits, self.elements).reshape(view.shape))
+        codes, scale, offset = self._parts(rows)
+        self._unpack_into(codes, view)
+        if offset is None:  # fp8
+            view.mul_(scale)
+        elif self.axis == "channel":  # scale, offset [.., 1, D] broadcast over tokens: one fused pass
+            torch.addcmul(offset, view, scale, out=view)
+        else:  # [.., G, n, 1] broadcast along channels: mul_ + add_ vectorize, addcmul does not
             view.mul_(scale).add_(offset)
+
+    def _parts(self, rows: torch.Tensor):
+        """(codes, scale, offset) views of ``rows``; remembered for the last rows seen (a decode
+        step reads the same store views again: a cached view keeps its storage alive, so an equal
+        data pointer is the same memory)."""
+        key = (rows.data_ptr(), rows.shape, rows.stride())
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        codes = rows.narrow(-1, 0, self.code_bytes)
+        parts = (codes, self._meta(rows, 0), self._meta(rows, 1) if self.backend.has_offset else None)
+        self._last = (key, parts)
+        return parts
+
+    def forget(self) -> None:
+        """Drop the remembered views (and with them any storage they keep alive)."""
+        self._last = None
+
+    def _unpack_into(self, codes: torch.Tensor, view: torch.Tensor) -> None:
+        """Codes ``[B, H, N, code_bytes]`` -> their values as floats in ``view`` ``[B, H, N, G, ...]``."""
+        bits = self.backend.bits
+        if not self.backend.has_offset:
+            view.copy_(codes.view(self.backend.code_dtype).view(view.shape))
+            return
+        per = 8 // bits if 8 % bits == 0 else 0
+        if bits == 8 or not per or self.g % per:
+            view.copy_(unpack(codes, bits, self.elements).view(view.shape))
             return
         t = self.g // per  # tokens per plane: plane i is tokens [i*t, (i+1)*t) of every block
-        for i in range(per):
-            lo, hi = i * t, (i + 1) * t
-            dst = view[:, :, :, lo:hi]
-            part = plane(codes, bits, i).view(b, h, n, t, *self.shape[1:])
-            if self.axis == "channel":  # scale and offset broadcast over tokens: addcmul is fastest
-                torch.addcmul(offset, part, scale, out=dst)
-            else:
-                dst.copy_(part).mul_(scale[:, :, :, lo:hi]).add_(offset[:, :, :, lo:hi])
+        shape = (*view.shape[:3], t, *view.shape[4:])
+        for i in range(per):  # one small uint8 pass, then a casting copy, per plane
+            view.narrow(3, i * t, t).copy_(plane(codes, bits, i, top=i == per - 1).view(shape))
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=self.dtype, device=x.device)

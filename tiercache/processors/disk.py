@@ -10,7 +10,9 @@ they copy), and never later as a ``SIGBUS`` on a page of a sparse file.
 
 Nothing is left behind: ``free`` unlinks a tensor's file (the mapping stays valid until the
 tensor is gone), so does dropping the tensor without ``free``, and ``close()``, garbage collection of the tier (``weakref.finalize``) and
-interpreter exit remove the whole directory. ``nbytes`` places these bytes under ``"disk"``.
+interpreter exit remove the whole directory. Files or the directory removed by someone else
+while in use lose nothing (the mappings hold the data); the next allocation makes the
+directory again. ``nbytes`` places these bytes under ``"disk"``.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class DiskTier:
             os.makedirs(self.root, exist_ok=True)
             self.dir = tempfile.mkdtemp(prefix=f"tiercache-{self.label}-", dir=self.root)
             self._finalizer = weakref.finalize(self, _remove_dir, self.dir)  # also runs at exit
+        elif not os.path.isdir(self.dir):  # removed under us (a temp cleaner): make it again
+            os.makedirs(self.dir, exist_ok=True)
         return self.dir
 
 

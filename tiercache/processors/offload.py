@@ -17,7 +17,8 @@ blocks of ``Quantize`` cross the bus compressed), and keys and values may differ
 
 Errors: the host write happens before the mirror changes, so an update the inner layer
 rejects (``CacheError``: wrong shape, static storage full, disk full) leaves the layer as it
-was. Crop / reorder / select / repeat_interleave / record_past / reset act on the host copy
+was; device memory for the mirror is found before that, so running out of it (``CacheError``
+from the prefetcher) changes nothing either. Crop / reorder / select / repeat_interleave / record_past / reset act on the host copy
 and drop the mirror (the next use fetches it again).
 
 ``nbytes()`` reports the host tier only (``"cpu"`` or ``"disk"``). The mirrors belong to the
@@ -99,7 +100,9 @@ class Offload(KVLayer):
             raise CacheError(f"device: the layer computes on {self.device}, the update is on {key.device}")
         self.device = key.device
         t = key.shape[2]
-        self.prefetcher.acquire(self, room=t)
+        self.prefetcher.acquire(self, room=t)  # may raise CacheError (device memory): nothing changed
+        if self.k is None or self.lo + self.held + t > self.k.shape[2]:
+            self._make_room(key, value)  # likewise, before the host copy changes
         host_k, host_v = self._to_host(key, value)  # [B, H, T, D] on the CPU: the new tokens only
         out = self.inner.update(host_k, host_v)  # may raise: nothing has changed yet
         self.prefetcher.count_d2h(_bytes(key) + _bytes(value))
@@ -120,6 +123,9 @@ class Offload(KVLayer):
 
     def max_length(self) -> int:
         return self.inner.max_length()
+
+    def validate_crop(self, n: int) -> None:
+        self.inner.validate_crop(n)
 
     def crop(self, n: int) -> None:
         self._on_host("crop", n)

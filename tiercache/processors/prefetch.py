@@ -14,6 +14,10 @@ Interface used by ``Offload`` (``tiercache.processors.offload``)
 A layer offers two callbacks: ``plan_fetch(room) -> (nbytes, plan)`` and ``fill(slot, plan)``
 (the host -> device copies, enqueued while the side stream is current).
 
+Errors: a device buffer that cannot be allocated (``torch.OutOfMemoryError``) raises
+``CacheError`` from ``acquire`` / ``grow`` before any slot or mirror changes; a fetch *ahead*
+that cannot get one is skipped (the layer is fetched, or reports, when it is used).
+
 Safety (CUDA): a fetch runs on the side stream after ``wait_event(slot.release)``, the event
 recorded on the compute stream when the slot's previous owner stopped being in use (its
 attention was enqueued by then), so no buffer is overwritten while it is still read; the
@@ -33,6 +37,7 @@ import weakref
 
 import torch
 
+from tiercache.errors import CacheError
 from tiercache.tiers import place_of
 
 ALIGN = 2 << 20  # slot bytes grow in 2 MiB steps
@@ -104,12 +109,18 @@ class Prefetcher:
         self._wait(layer.slot)
         for nxt in wanted[1:]:
             if nxt.slot is None:
-                self._fetch(nxt, 1)
+                try:
+                    self._fetch(nxt, 1)
+                except CacheError:
+                    break  # fetching ahead is optional: that layer is fetched (or reports) when used
 
     def prefetch(self, layer) -> None:
         """Start fetching ``layer`` ahead of use, if a slot is free (never evicts)."""
         if layer.slot is None and any(s.owner is None for s in self.slots):
-            self._fetch(layer, 1)
+            try:
+                self._fetch(layer, 1)
+            except CacheError:
+                pass  # optional, as above
 
     def evict(self, layer) -> None:
         """Forget the layer's mirror; wait for its fetch so its host copy may change."""
@@ -167,15 +178,14 @@ class Prefetcher:
             slot.release.record(torch.cuda.current_stream(slot.data.device))
 
     def _fetch(self, layer, room: int) -> None:
-        slot = next((s for s in self.slots if s.owner is None), None)
-        if slot is None:
-            slot = Slot()
-            self.slots.append(slot)
-        slot.owner, layer.slot = layer.key, slot
+        slot = next((s for s in self.slots if s.owner is None), None) or Slot()
         nbytes, plan = layer.plan_fetch(room)
         fresh = nbytes > slot.nbytes()
-        if fresh:
+        if fresh:  # may raise CacheError: then no slot is taken and nothing has changed
             slot.data = self._alloc(nbytes, layer.device)  # the old bytes are not needed
+        if slot not in self.slots:
+            self.slots.append(slot)
+        slot.owner, layer.slot = layer.key, slot
         with self._side(slot, fresh):
             moved = layer.fill(slot, plan)
         self.bytes_h2d += moved
@@ -210,7 +220,13 @@ class Prefetcher:
 
     def _alloc(self, nbytes: int, device) -> torch.Tensor:
         nbytes = -(-nbytes // ALIGN) * ALIGN if torch.device(device).type == "cuda" else nbytes
-        data = torch.empty(nbytes, dtype=torch.uint8, device=device)  # on the compute stream
+        try:
+            data = torch.empty(nbytes, dtype=torch.uint8, device=device)  # on the compute stream
+        except RuntimeError as e:  # torch.OutOfMemoryError is one
+            raise CacheError(
+                f"offload: cannot allocate {nbytes} bytes on {device} for a layer's device copy: {e}; "
+                "free device memory or lower offload.prefetch (the layer is unchanged)"
+            ) from e
         if data.is_cuda:
             if self.stream is None:
                 self.stream = torch.cuda.Stream(data.device)

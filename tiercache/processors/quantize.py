@@ -1,29 +1,45 @@
 """``Quantize``: tokens beyond a full-precision residual are kept as packed blocks (KIVI-style).
 
-    Quantize(make_store, config: QuantizePolicy, window=None, max_length=None)   a KVLayer
+    Quantize(make_store, config: QuantizePolicy, window=None, max_length=None, shared=None)   a KVLayer
 
 ``make_store(window, max_length, chunk)`` builds the *inner store* (full / sliding / static,
 possibly offloaded); Quantize appends to it one "token" per block: a uint8 row ``[B, H, 1,
 row_bytes]`` for the keys and one for the values (``tiercache.processors.blocks``), so the store
-and an Offload around it only ever hold and move compressed bytes.
+and an Offload around it only ever hold and move compressed bytes. ``shared`` (a
+``tiercache.chain.Shared``) lends the dequantization workspace; without it every update
+returns fresh tensors.
 
-Residual. The newest tokens stay in full precision on the compute device: at least
-``residual_length`` of them, fewer than ``residual_length + group_size``. When an update would
-pass that, the oldest ``group_size`` tokens (as many whole blocks as needed) are quantized
-*once*, in one call, and appended; a block is never re-quantized, so no error accumulates and
-quantization work per token does not grow with history.
+Residual (KIVI). The newest tokens stay in full precision on the compute device. The residual
+fills up to ``R = residual_length`` tokens; when it reaches ``R`` (or ``G = group_size`` if
+``R < G``), its whole blocks of ``G``, oldest first, are quantized *once*, in one call, and
+appended: with ``G`` dividing ``R`` it is emptied, as in transformers' QuantizedCache. A block
+is never re-quantized, so no error accumulates and quantization work per token does not grow
+with history. An update of ``T`` tokens leaves exactly the state ``T`` one-token updates would,
+so the split is a function of the tokens seen, ``n``, alone: the residual holds ``r(n)`` tokens,
+    r(n) = n                              while n < F, where F = max(R, G)
+    r(n) = F mod G + (n - F) mod P        after, where P = F - F mod G (the flush period),
+so once ``F`` tokens were seen, ``R mod G <= r <= R - 1`` (``R >= G``; ``0 <= r <= G - 1`` when
+``R < G``): the newest ``r`` tokens are exact and every older one is quantized. E.g. ``R = 128,
+G = 64``: a 3000-token prompt packs 46 blocks and keeps 56; decoding then holds 0 to 127.
+The residual is kept in exactly-sized tensors (``nbytes()`` is what is held): an update copies
+at most ``max(R, G)`` tokens, bounded work, never the history. Crops move the phase (below).
 
-Update. Returns ``[B, H, S, D]`` in a fresh tensor: the blocks stored before this update
-dequantized in one vectorized op straight into its front, then the residual and the new tokens
-at full precision (no concatenation of the history). Tokens packed during this update are
-still in hand, so this update attends over them exactly, as transformers' QuantizedCache does
-(a long prompt's own attention is not perturbed, so no error compounds through the layers);
-later updates see them dequantized. A step costs one pass over the packed history plus work
-bounded by the residual.
+Update. Refuses non-finite keys/values (``CacheError``, the layer unchanged): one NaN would
+poison the scale of a whole group. The check reads the new tokens only (one max-abs per K and
+V, then one host sync on a GPU). Returns ``[B, H, S, D]``: the blocks stored before this
+update dequantized in one vectorized pass straight into the output, then the residual and the
+new tokens at full precision (no concatenation of the history). The output lives in the
+cache's shared workspace (no allocation per step): it is valid until the next update on the
+cache (a sliding layer's multi-token update longer than its window, and caches built without
+``shared``, get fresh tensors). Tokens packed during this update are still in hand, so this
+update attends over them exactly, as transformers' QuantizedCache does (a long prompt's own
+attention is not perturbed); later updates see them dequantized. A step costs one pass over
+the packed history plus work bounded by the residual.
 
 Storage kinds
-- full: the store grows one block at a time, so its bytes are exactly the packed size (a regrow
-  copies the packed history once per block: a small fraction of the per-step dequantization).
+- full: the store grows by exactly the blocks of each flush, so its bytes are exactly the packed
+  size (a regrow copies the packed history once per flush: a small fraction of the per-step
+  dequantization).
 - sliding (``window``): transformers' sliding contract exactly, like ``SlidingLayer`` (an update
   of ``T`` tokens returns the last ``window - 1 + T``); the store is a ``SlidingLayer`` of
   ``ceil((window - 1) / group_size) + 1`` blocks, enough to cover the window. ``record_past``
@@ -36,28 +52,90 @@ Storage kinds
 Cache ops act on blocks and residual alike. ``crop`` reaching into the blocks drops whole
 blocks from the store and moves the kept head of the cut block back into the residual as its
 dequantized values (exactly what attention saw); those tokens are quantized once more when
-they leave the residual again (the only case a value is quantized twice).
+they leave the residual again (the only case a value is quantized twice). After a crop the
+residual may hold fewer than ``r(n)`` tokens; the flush rule above applies from there.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
-from tiercache.layers.buffer import Buffer
 from tiercache.layers.spec import KVSpec
 from tiercache.processors import backends
 from tiercache.processors.blocks import BlockCodec
-from tiercache.tiers import ComputeTier
+from tiercache.tiers import place_of
+
+
+def flush_split(held: int, new: int, residual_length: int, group_size: int) -> int:
+    """Tokens to pack when ``new`` tokens join a residual of ``held``: as ``new`` one-token updates would."""
+    first = max(residual_length, group_size)  # the residual is flushed when it reaches this
+    total = held + new
+    if total < first:
+        return 0
+    base = first % group_size  # what stays after a flush
+    return total - (base + (total - first) % (first - base))
+
+
+class Residual:
+    """The newest tokens in full precision, in exactly-sized ``[B, H, r, D]`` tensors (or None)."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def view(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if lo == 0 and hi is None:
+            return self.keys, self.values
+        hi = len(self) if hi is None else hi
+        return self.keys.narrow(2, lo, hi - lo), self.values.narrow(2, lo, hi - lo)  # [B, H, hi-lo, D]
+
+    def replace(self, drop: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Forget the oldest ``drop`` tokens and append ``key``/``value`` (copied), in one bounded copy."""
+        held = len(self)
+        if held - drop + key.shape[2] == 0:
+            self.keys = self.values = None
+        elif drop == held:
+            self.keys, self.values = key.clone(memory_format=torch.contiguous_format), value.clone(
+                memory_format=torch.contiguous_format)
+        elif key.shape[2] or drop:
+            k, v = self.view(drop)
+            self.keys, self.values = torch.cat([k, key], 2), torch.cat([v, value], 2)
+
+    def truncate(self, n: int) -> None:
+        """Forget the newest ``n`` tokens."""
+        if n:
+            k, v = self.view(0, len(self) - n)
+            self.keys, self.values = (k.clone(), v.clone()) if k.shape[2] else (None, None)
+
+    def gather(self, index: torch.Tensor) -> None:
+        if self.keys is not None:
+            index = index.to(self.keys.device)
+            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+
+    def clear(self) -> None:
+        self.keys = self.values = None
+
+    def nbytes(self) -> dict[str, int]:
+        if self.keys is None:
+            return {}
+        size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return {place_of(self.keys.device): size}
 
 
 class Quantize(KVLayer):
-    def __init__(self, make_store, config, window: int | None = None, max_length: int | None = None):
+    def __init__(self, make_store, config, window: int | None = None, max_length: int | None = None, shared=None):
         self.config = config
         self.backend = backends.get(config)
         self.g, self.r = config.group_size, config.residual_length
         self.window, self.limit = window, max_length
+        self.shared = shared
         self.is_sliding = window is not None
         chunk = 1  # blocks of capacity added at a time: nbytes() stays the packed size
         if window is not None:
@@ -70,7 +148,7 @@ class Quantize(KVLayer):
             self.store = make_store(max_length=max(1, max_length // self.g))
         else:
             self.store = make_store(chunk=chunk)
-        self.residual = Buffer(ComputeTier(), chunk=self.r + self.g)  # [B, H, < R + G, D]
+        self.residual = Residual()  # [B, H, r, D], r < max(R, G)
         self.spec: KVSpec | None = None
         self.codecs: tuple[BlockCodec, BlockCodec] | None = None
         self.seen = 0  # tokens seen (positions), including any slid out of a window
@@ -86,18 +164,21 @@ class Quantize(KVLayer):
                 f"static storage is full: it holds {self.seen} of max_length={self.limit} tokens and "
                 f"cannot take {t} more; raise max_length in the policy or use storage: full"
             )
+        if t and not math.isfinite(float(torch.maximum(  # max |x|: NaN and inf propagate; one sync
+                torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf)))):
+            raise CacheError(self._non_finite(key, value))
         if self.codecs is None:
             self.codecs = tuple(BlockCodec(self.backend, self.g, d, axis, spec.dtype) for d, axis in
                                 ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
         self.spec = spec
         held = len(self.residual)
-        flush = max(0, (held + t - self.r) // self.g) * self.g  # oldest tokens to pack now
+        flush = flush_split(held, t, self.r, self.g)  # oldest tokens to pack now
         taken = min(flush, held)
         if flush:
-            old_k, old_v = self.residual.view(0, taken) if taken else (key[:, :, :0], value[:, :, :0])
+            old_k, old_v = self.residual.view(0, taken) if taken else (key.narrow(2, 0, 0), value.narrow(2, 0, 0))
             if flush > held:  # the block runs into the new tokens (bounded by this update)
-                old_k = torch.cat([old_k, key[:, :, : flush - held]], dim=2)
-                old_v = torch.cat([old_v, value[:, :, : flush - held]], dim=2)
+                old_k = torch.cat([old_k, key.narrow(2, 0, flush - held)], dim=2)
+                old_v = torch.cat([old_v, value.narrow(2, 0, flush - held)], dim=2)
             blocks = self.store.update(self.codecs[0].encode(old_k), self.codecs[1].encode(old_v))
             self.stored = True
         else:
@@ -105,11 +186,11 @@ class Quantize(KVLayer):
         if blocks is not None:
             n = self.store.seq_length() if self.limit is not None else blocks[0].shape[2]
             n -= flush // self.g  # blocks packed just now are still in hand at full precision
-            blocks = blocks[0][:, :, :n], blocks[1][:, :, :n]
+            if n < blocks[0].shape[2]:
+                blocks = blocks[0].narrow(2, 0, n), blocks[1].narrow(2, 0, n)
         out = self._assemble(blocks, (key, value), None if self.window is None else self.window - 1 + t)
-        self.residual.drop_front(taken)
-        if t > flush - taken:
-            self.residual.append(key[:, :, flush - taken :], value[:, :, flush - taken :])
+        rest = flush - taken  # new tokens that stay in the residual start here
+        self.residual.replace(taken, key.narrow(2, rest, t - rest), value.narrow(2, rest, t - rest))
         self.seen += t
         return out
 
@@ -155,10 +236,10 @@ class Quantize(KVLayer):
             for codec, b, out in zip(self.codecs, blocks, restored):
                 codec.decode(b[:, :, at : at + 1], out)
         self.store.crop(drop)  # raises (nothing changed yet) when the store cannot
-        self.residual.truncate(held)
+        self.residual.clear()
         if restored is not None:
             device = self.spec.device
-            self.residual.append(restored[0][:, :, :keep].to(device), restored[1][:, :, :keep].to(device))
+            self.residual.replace(0, restored[0][:, :, :keep].to(device), restored[1][:, :, :keep].to(device))
         self.seen -= n
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
@@ -182,9 +263,10 @@ class Quantize(KVLayer):
         self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Fresh tensors (never the workspace): callers may keep them."""
         if self.spec is None or (not len(self.residual) and self._held_blocks() is None):
             return None
-        return self._assemble(self._held_blocks(), None, None)
+        return self._assemble(self._held_blocks(), None, None, workspace=False)
 
     def nbytes(self) -> dict[str, int]:
         out = dict(self.store.nbytes())
@@ -201,6 +283,8 @@ class Quantize(KVLayer):
     def close(self) -> None:
         self.store.close()
         self.residual.clear()
+        for codec in self.codecs or ():
+            codec.forget()
 
     # -- internals ------------------------------------------------------------------------------
     def _held_blocks(self):
@@ -208,30 +292,55 @@ class Quantize(KVLayer):
             return None
         return self.store.kv()  # [B, H, N, row] each, or None
 
-    def _assemble(self, blocks, new, visible: int | None):
-        """Dequantized blocks, the residual, then ``new`` tokens: one fresh ``[B, H, S, D]`` per K and V."""
+    def _assemble(self, blocks, new, visible: int | None, workspace: bool = True):
+        """Dequantized blocks, the residual, then ``new`` tokens (the last ``visible`` of them):
+        one ``[B, H, S, D]`` per K and V, in the shared workspace when there is one."""
+        g, s = self.g, self.spec
         held, fresh = len(self.residual), (0 if new is None else new[0].shape[2])
         n = 0 if blocks is None else blocks[0].shape[2]
-        skip = 0
-        if visible is not None and n * self.g + held + fresh > visible:  # sliding: the window's tail only
-            skip = n * self.g + held + fresh - visible
-            first = min(skip // self.g, n)
+        skip = 0  # leading tokens not returned (sliding: the window's tail only)
+        if visible is not None and n * g + held + fresh > visible:
+            skip = n * g + held + fresh - visible
+            first = min(skip // g, n)
             blocks = None if blocks is None else (blocks[0][:, :, first:], blocks[1][:, :, first:])
             n -= first
-            skip -= first * self.g
-        s, res = self.spec, self.residual.view() if held else None
-        outs = []
-        for i, d in enumerate((s.key_dim, s.value_dim)):
-            out = torch.empty((s.batch, s.heads, n * self.g + held + fresh, d), dtype=s.dtype, device=s.device)  # [B, H, S, D]
-            at = n * self.g
+            skip -= first * g
+        size = n * g + held + fresh - skip
+        shapes = [(s.batch, s.heads, size, s.key_dim), (s.batch, s.heads, size, s.value_dim)]  # [B, H, S, D]
+        if workspace and self.shared is not None and (self.window is None or size <= self.window):
+            outs = self.shared.workspace(shapes, s.dtype, s.device)
+        else:
+            outs = [torch.empty(shape, dtype=s.dtype, device=s.device) for shape in shapes]
+        res = self.residual.view() if held else None
+        for i, out in enumerate(outs):
+            at, lo = 0, skip
             if n:
-                self.codecs[i].decode(blocks[i].to(s.device, non_blocking=True), out[:, :, :at])
-            if held:
-                out[:, :, at : at + held].copy_(res[i])
-            if fresh:
-                out[:, :, at + held :].copy_(new[i])
-            outs.append(out[:, :, skip:] if skip else out)
+                rows = blocks[i] if blocks[i].device == s.device else blocks[i].to(s.device, non_blocking=True)
+                if lo:  # the oldest block is only partly visible: decode it aside
+                    part = torch.empty((s.batch, s.heads, g, shapes[i][3]), dtype=s.dtype, device=s.device)
+                    self.codecs[i].decode(rows.narrow(2, 0, 1), part)
+                    out.narrow(2, 0, g - lo).copy_(part.narrow(2, lo, g - lo))
+                    rows, at, lo = rows.narrow(2, 1, n - 1), g - lo, 0
+                if rows.shape[2]:
+                    self.codecs[i].decode(rows, out.narrow(2, at, rows.shape[2] * g))
+                    at += rows.shape[2] * g
+            for src, count in ((res, held), (new, fresh)):
+                if count > lo:
+                    out.narrow(2, at, count - lo).copy_(src[i] if lo == 0 else src[i].narrow(2, lo, count - lo))
+                    at += count - lo
+                lo = max(lo - count, 0)
         return outs[0], outs[1]
+
+    def _non_finite(self, key: torch.Tensor, value: torch.Tensor) -> str:
+        for name, t in (("keys", key), ("values", value)):
+            bad = (~torch.isfinite(t)).nonzero()
+            if len(bad):
+                b, h, tok, d = (int(x) for x in bad[0])
+                where = (f"{name}[batch {b}, head {h}, token {tok} of this update (position {self.seen + tok}), "
+                         f"dim {d}] ({len(bad)} non-finite of this update's {t.numel()} {name} elements)")
+                break
+        return (f"non-finite values in keys/values at {where}; quantized caches refuse them because one NaN "
+                f"would corrupt a whole group of {self.g} tokens; use a full-precision policy to keep them")
 
     def _gather(self, op: str | None, index: torch.Tensor) -> None:
         if op is not None and self.stored:
