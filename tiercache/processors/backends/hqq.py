@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import torch
 
+from tiercache.processors.backends.grouping import as_rows, check_int_bits
+
 PACKAGE = "hqq"
 PIP = "hqq"
 BITS = (1, 2, 3, 4, 8)
 
 
 def check(config) -> str | None:
-    if config.format != "int":
-        return f"supports only format 'int' (fp8 is native only); got format {config.format!r}"
-    if config.bits not in BITS:
-        return f"supports bits {', '.join(map(str, BITS))}; got bits {config.bits}"
-    return None
+    return check_int_bits(config, BITS)
 
 
 class HQQ:
@@ -35,9 +33,8 @@ class HQQ:
         self.quantizer = Quantizer
 
     def quantize(self, x: torch.Tensor, dim: int):
-        moved = x.movedim(dim, -1)  # [..., group]
-        group = moved.shape[-1]
-        rows = moved.reshape(-1, group)  # [R, group]
+        rows, back = as_rows(x, dim)  # [R, group]
+        group = rows.shape[-1]
         codes, meta = self.quantizer.quantize(
             rows, nbits=self.bits, group_size=group, axis=1, optimize=True, bitpack=False,
             compute_dtype=x.dtype, device=str(x.device),
@@ -45,9 +42,6 @@ class HQQ:
         scale = meta["scale"].float().to(x.dtype).float()  # [R, 1]
         offset = (-meta["zero"].float() * meta["scale"].float()).to(x.dtype).float()  # [R, 1]
         codes = codes.reshape(rows.shape).round().clamp(0, 2**self.bits - 1).to(torch.uint8)
-
-        def back(t):  # [R, k] -> x's layout with the group dim of size k
-            return t.reshape(*moved.shape[:-1], t.shape[-1]).movedim(-1, dim)
 
         return back(codes), back(scale), back(offset)
 

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import torch
 
+from tiercache.processors.backends.grouping import as_rows, check_int_bits
+
 PACKAGE = "optimum.quanto"
 PIP = "optimum-quanto"
 BITS = (2, 4)
 
 
 def check(config) -> str | None:
-    if config.format != "int":
-        return f"supports only format 'int' (fp8 is native only); got format {config.format!r}"
-    if config.bits not in BITS:
-        return f"supports bits {', '.join(map(str, BITS))}; got bits {config.bits}"
-    return None
+    return check_int_bits(config, BITS)
 
 
 class Quanto:
@@ -37,17 +35,12 @@ class Quanto:
         self.optimizer = MaxOptimizer()
 
     def quantize(self, x: torch.Tensor, dim: int):
-        moved = x.movedim(dim, -1)  # [..., group]
-        rows = moved.reshape(-1, moved.shape[-1]).to(x.dtype)  # [R, group]
+        rows, back = as_rows(x, dim)  # [R, group]
         scale, shift = self.optimizer(rows, self.qtype, 0, None)  # [R, 1] each, per row
         scale = scale.to(x.dtype)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant rows: codes 0
         shift = shift.to(x.dtype)
         codes = torch.ops.quanto.quantize_affine(rows, bits=self.bits, axis=0, group_size=None, scale=scale, shift=shift)
-
-        def back(t):  # [R, k] -> x's layout with the group dim of size k
-            return t.reshape(*moved.shape[:-1], t.shape[-1]).movedim(-1, dim)
-
         return back(codes), back(scale.float()), back(-shift.float())
 
 
