@@ -56,11 +56,17 @@ class Buffer:
     # -- writing ------------------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor, slack: int = 0) -> None:
         """Write ``T`` tokens after the held ones; ``slack`` extra tokens of room when regrowing."""
-        if self.spec is None:
+        first = self.spec is None
+        if first:
             self.spec = KVSpec.of(key, value)
         t = key.shape[2]
         if self.end + t > self.capacity:
-            self._regrow(len(self) + t + slack)
+            try:
+                self._regrow(len(self) + t + slack)
+            except Exception:
+                if first:  # a refused first write leaves the buffer as new (free to take another shape)
+                    self.spec = None
+                raise
         self.keys[:, :, self.end : self.end + t].copy_(key, non_blocking=True)
         self.values[:, :, self.end : self.end + t].copy_(value, non_blocking=True)
         self.end += t

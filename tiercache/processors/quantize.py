@@ -167,10 +167,9 @@ class Quantize(KVLayer):
         if t and not math.isfinite(float(torch.maximum(  # max |x|: NaN and inf propagate; one sync
                 torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf)))):
             raise CacheError(self._non_finite(key, value))
-        if self.codecs is None:
-            self.codecs = tuple(BlockCodec(self.backend, self.g, d, axis, spec.dtype) for d, axis in
-                                ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
-        self.spec = spec
+        codecs = self.codecs or tuple(
+            BlockCodec(self.backend, self.g, d, axis, spec.dtype)
+            for d, axis in ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
         held = len(self.residual)
         flush = flush_split(held, t, self.r, self.g)  # oldest tokens to pack now
         taken = min(flush, held)
@@ -179,10 +178,12 @@ class Quantize(KVLayer):
             if flush > held:  # the block runs into the new tokens (bounded by this update)
                 old_k = torch.cat([old_k, key.narrow(2, 0, flush - held)], dim=2)
                 old_v = torch.cat([old_v, value.narrow(2, 0, flush - held)], dim=2)
-            blocks = self.store.update(self.codecs[0].encode(old_k), self.codecs[1].encode(old_v))
+            blocks = self.store.update(codecs[0].encode(old_k), codecs[1].encode(old_v))
             self.stored = True
         else:
             blocks = self._held_blocks()
+        # bound to this shape only once the store accepted: a refused first update leaves the layer as new
+        self.codecs, self.spec = codecs, spec
         if blocks is not None:
             n = self.store.seq_length() if self.limit is not None else blocks[0].shape[2]
             n -= flush // self.g  # blocks packed just now are still in hand at full precision
