@@ -138,3 +138,13 @@ def test_static_policy_generates_like_static_cache():
     assert torch.equal(gen(model, ours, ids, max_new_tokens=20), gen(model, ref, ids, max_new_tokens=20))
     with pytest.raises(CacheError, match="max_length=40"):
         gen(model, ours, torch.cat([ids] * 4, dim=1), max_new_tokens=5)
+
+
+def test_shared_buffers_are_reported_once_and_apart():
+    model = build("llama")
+    cache = TieredCache.from_policy({"quantize": {"bits": 4, "group_size": 4, "residual_length": 4}}, model.config)
+    gen(model, cache, prompt(1, 20), max_new_tokens=4)
+    shared, total = cache.shared_nbytes(), cache.nbytes()
+    per_layer = sum(sum(layer.nbytes().values()) for layer in cache.layers)
+    assert shared["cpu"] > 0 and total["cpu"] == per_layer + shared["cpu"]
+    assert TieredCache.from_policy({}, model.config).shared_nbytes() == {}

@@ -162,6 +162,12 @@ class TieredCache(Cache):
                 total[place] = total.get(place, 0) + n
         return total
 
+    def shared_nbytes(self) -> dict[str, int]:
+        """The part of ``nbytes()`` in buffers shared by all layers, per place: the dequantization
+        workspace (one layer at full precision) and the offload prefetch slots (prefetch + 1
+        layers). They do not grow with the number of layers; the rest is the per-layer state."""
+        return self._shared.nbytes() if self._shared is not None else {}
+
     def __repr__(self) -> str:
         return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
 

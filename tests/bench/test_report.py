@@ -9,7 +9,7 @@ ROWS = [
      "cache_total": 4 << 20, "memory": 500 << 20, "memory_kind": "rss", "prefill_tok_s": 4000.0, "decode_tok_s": 100.0,
      "ppl": 3.0, "ppl_delta": 0.0, "top1_agreement": 1.0, "greedy_agreement": 1.0, "greedy_prefix": 9},
     {"name": "int4-kivi", "kind": "tiercache", "source": "inline", "note": "", "cache_bytes": {"cpu": 1 << 20},
-     "cache_total": 1 << 20, "memory": 490 << 20, "memory_kind": "rss", "prefill_tok_s": 3000.0, "decode_tok_s": 80.0,
+     "cache_total": 1 << 20, "shared_total": 1 << 18, "memory": 490 << 20, "memory_kind": "rss", "prefill_tok_s": 3000.0, "decode_tok_s": 80.0,
      "ppl": 3.1, "ppl_delta": 0.1, "top1_agreement": 0.97, "greedy_agreement": 0.5, "greedy_prefix": 4},
     {"name": "broken", "kind": "transformers", "source": "?", "note": "failed: ImportError: no hqq"},
 ]
@@ -21,7 +21,8 @@ def test_write_table_json_png(tmp_path):
     paths = report.write(ROWS, META, tmp_path)
     md = (tmp_path / "bench.md").read_text()
     assert paths["md"].endswith("bench.md") and all(c in md for c in report.COLUMNS)
-    assert "| int4-kivi | tiercache | 1.00 MiB | 0.250 |" in md  # bytes ratio against DynamicCache
+    assert "| int4-kivi | tiercache | 1.00 MiB | 256.00 KiB | 0.250 |" in md  # shared part; ratio vs DynamicCache
+    assert "| DynamicCache | transformers | 4.00 MiB | - | 1.000 |" in md
     assert "0.80" in md and "+0.1000" in md and "failed: ImportError" in md
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["meta"]["model"] == "tiny" and [r["name"] for r in data["rows"]] == ["DynamicCache", "int4-kivi", "broken"]

@@ -2,7 +2,10 @@
 
 Interface
 - ``markdown(rows, meta) -> str``: one line per setup (see ``COLUMNS``); ratios are against the
-  ``DynamicCache`` row (or the first tiercache row when there is none).
+  ``DynamicCache`` row (or the first tiercache row when there is none). "cache" is everything
+  held (``nbytes()``); "of which shared" is the part in buffers shared by all layers
+  (``TieredCache.shared_nbytes()``: dequantization workspace, prefetch slots), which transformers'
+  caches allocate afresh each step instead of holding.
 - ``write(rows, meta, out_dir) -> dict``: writes ``bench.md``, ``bench.json`` (``{"meta": ...,
   "rows": [...]}``, rows as returned by ``runner.measure``) and ``bench.png`` (left: cache bytes vs
   decode tokens/s, marker area growing with the perplexity increase; right: perplexity delta per
@@ -14,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-COLUMNS = ["setup", "kind", "cache", "× bytes", "per place", "memory", "prefill tok/s", "decode tok/s",
+COLUMNS = ["setup", "kind", "cache", "of which shared", "× bytes", "per place", "memory", "prefill tok/s", "decode tok/s",
            "× decode", "ppl", "Δppl", "top-1 agree", "greedy agree", "note"]
 
 
@@ -51,7 +54,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         ratio_d = g("decode_tok_s") / ref["decode_tok_s"] if ref and g("decode_tok_s") else None
         places = ", ".join(f"{k} {human(v)}" for k, v in sorted((g("cache_bytes") or {}).items()))
         mem = f"{human(g('memory'))} ({g('memory_kind')})" if g("memory") is not None else "-"
-        cells = [r["name"], r["kind"], human(g("cache_total")), _fmt(ratio_b, ".3f"), places or "-", mem,
+        cells = [r["name"], r["kind"], human(g("cache_total")), human(g("shared_total")) if g("shared_total") else "-",
+                 _fmt(ratio_b, ".3f"), places or "-", mem,
                  _fmt(g("prefill_tok_s"), ".0f"), _fmt(g("decode_tok_s"), ".1f"), _fmt(ratio_d, ".2f"),
                  _fmt(g("ppl"), ".4f"), _fmt(g("ppl_delta"), "+.4f"), _fmt(g("top1_agreement"), ".3f"),
                  _fmt(g("greedy_agreement"), ".3f"), _note(g("note"))]

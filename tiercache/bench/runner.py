@@ -104,6 +104,7 @@ def measure(setup: Setup, model, ids: torch.Tensor, context: int, new_tokens: in
             tokens, p_s, d_s = greedy(model, cache, ids[:context], new_tokens, tick)
             prefill_s, decode_s = min(prefill_s, p_s), min(decode_s, d_s)
             row["cache_bytes"] = cache_nbytes(cache)
+            row["shared_total"] = sum(cache.shared_nbytes().values()) if hasattr(cache, "shared_nbytes") else 0
             row["memory"], row["memory_kind"] = _memory(device)
             _close(cache)
             del cache
