@@ -30,8 +30,20 @@ def _config(name: str):
         return tf.Qwen2Config(num_hidden_layers=3, **COMMON), tf.Qwen2ForCausalLM
     if name == "qwen3":
         return tf.Qwen3Config(num_hidden_layers=3, head_dim=16, **COMMON), tf.Qwen3ForCausalLM
+    if name == "phi3":
+        return tf.Phi3Config(num_hidden_layers=2, **COMMON), tf.Phi3ForCausalLM
+    if name == "mixtral":
+        return tf.MixtralConfig(num_hidden_layers=2, num_local_experts=2, sliding_window=8, **COMMON), tf.MixtralForCausalLM
+    if name == "cohere2":
+        return tf.Cohere2Config(num_hidden_layers=4, sliding_window=8, **COMMON), tf.Cohere2ForCausalLM
+    if name == "gpt_neox":
+        kw = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
+        return tf.GPTNeoXConfig(num_hidden_layers=2, **kw), tf.GPTNeoXForCausalLM
     raise KeyError(name)
 
+
+# Beyond the core families: other attention layouts (fused QKV, MoE, sliding + full, no GQA).
+MORE_FAMILIES = ["phi3", "mixtral", "cohere2", "gpt_neox"]
 
 FAMILIES = ["llama", "mistral", "gemma2", "gemma3", "qwen2", "qwen3"]
 

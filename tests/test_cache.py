@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from models import FAMILIES, build, prompt
+from models import FAMILIES, MORE_FAMILIES, build, prompt
 from tiercache import CacheError, TieredCache
 
 FP = {"name": "fp", "storage": "full"}
@@ -148,3 +148,14 @@ def test_shared_buffers_are_reported_once_and_apart():
     per_layer = sum(sum(layer.nbytes().values()) for layer in cache.layers)
     assert shared["cpu"] > 0 and total["cpu"] == per_layer + shared["cpu"]
     assert TieredCache.from_policy({}, model.config).shared_nbytes() == {}
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_more_families_full_precision_identical_and_tiered_policies_run(family):
+    model = build(family)
+    ids = prompt(2, 14)
+    ref, ours = both(model)
+    assert torch.equal(gen(model, ours, ids), gen(model, ref, ids))
+    tiered = TieredCache.from_policy("configs/tiered-int4-offload.yaml", model.config)
+    out = gen(model, tiered, ids)
+    assert out.shape == (2, 30) and tiered.get_seq_length() == 29 and tiered.nbytes()["cpu"] > 0
