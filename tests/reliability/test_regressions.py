@@ -148,3 +148,32 @@ def test_refused_first_update_leaves_a_quantized_layer_as_new(monkeypatch):
         assert cache.layers[0].kv() is None and cache.get_seq_length(0) == 0
         cache.update(*kv(1, 9), 0)  # a smaller batch, as for a new layer
         cache.close()
+
+
+def test_quantized_sliding_layer_validates_crops_like_it_crops():
+    from tiercache.chain import build_layers
+    from tiercache.model_spec import ModelSpec
+    from tiercache.policy import Policy
+
+    model = ModelSpec("m", 1, ("sliding_attention",), kv_heads=2, head_dim=4, sliding_window=6)
+    layers, _ = build_layers(Policy.from_dict({"quantize": {"bits": 4, "group_size": 2, "residual_length": 2}}).resolve(model))
+    layer = layers[0]
+    g = torch.Generator().manual_seed(0)
+    for t in (9, 1, 1, 1):
+        layer.update(torch.randn(1, 2, t, 4, generator=g), torch.randn(1, 2, t, 4, generator=g))
+    outcomes = []
+    for n in range(layer.seq_length() + 1):
+        snapshot = [x.clone() for x in layer.kv()], layer.seq_length(), layer.nbytes()
+        try:
+            layer.validate_crop(n)
+            allowed = True
+        except CacheError:
+            allowed = False
+        k, v = snapshot[0]
+        assert torch.equal(layer.kv()[0], k) and torch.equal(layer.kv()[1], v)
+        assert (layer.seq_length(), layer.nbytes()) == snapshot[1:]
+        outcomes.append(allowed)
+        if not allowed:
+            with pytest.raises(CacheError):
+                layer.crop(n)  # refused by crop too
+    assert outcomes[0] and not outcomes[-1]  # crop(0) is fine; past the window is refused

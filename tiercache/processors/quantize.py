@@ -209,16 +209,15 @@ class Quantize(KVLayer):
     def max_length(self) -> int:
         return self.window if self.window is not None else (self.limit if self.limit is not None else -1)
 
-    def crop(self, n: int) -> None:
+    def validate_crop(self, n: int) -> None:
         check_crop(n, self.seen)
-        held = len(self.residual)
-        if n <= held:
-            if self.stored:
-                self.store.crop(0)  # a sliding store trims what it kept for a rollback
-            self.residual.truncate(n)
-            self.seen -= n
-            return
-        cut = n - held  # tokens to remove from the blocks
+        if n > len(self.residual):
+            self._crop_blocks(n)
+
+    def _crop_blocks(self, n: int):
+        """For a crop reaching into the blocks: (blocks dropped, tokens of the cut block kept,
+        the held blocks, how many); raises ``CacheError``, changing nothing, when it cannot."""
+        cut = n - len(self.residual)  # tokens to remove from the blocks
         drop = -(-cut // self.g)  # whole blocks dropped from the store
         keep = drop * self.g - cut  # head of the cut block that stays (dequantized)
         blocks = self._held_blocks()
@@ -229,6 +228,19 @@ class Quantize(KVLayer):
                 f"({have * self.g} tokens) are kept; tokens before the window are gone; call record_past(True) "
                 "(activate_past_recording) before updates you may want to roll back"
             )
+        self.store.validate_crop(drop)
+        return drop, keep, blocks, have
+
+    def crop(self, n: int) -> None:
+        check_crop(n, self.seen)
+        held = len(self.residual)
+        if n <= held:
+            if self.stored:
+                self.store.crop(0)  # a sliding store trims what it kept for a rollback
+            self.residual.truncate(n)
+            self.seen -= n
+            return
+        drop, keep, blocks, have = self._crop_blocks(n)
         restored = None
         if keep:
             at = have - drop
