@@ -104,3 +104,10 @@ def test_model_spec_from_config():
     spec = ModelSpec.from_config(Gemma2Config(num_hidden_layers=4, sliding_window=16, num_key_value_heads=2, head_dim=8))
     assert spec.layer_types == ("sliding_attention", "full_attention") * 2
     assert spec.sliding_window == 16 and spec.kv_heads == 2 and spec.head_dim == 8
+
+
+def test_empty_yaml_sections_mean_none(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("quantize:\noffload:\noverrides:\nbudget:\n")
+    policy = load_policy(path)
+    assert policy.quantize is None and policy.offload is None and policy.overrides == () and policy.budget is None

@@ -230,6 +230,8 @@ def _build(tp, value, path: str):
             raise PolicyError(f"{path}: {value!r} is not allowed; allowed: {_describe(tp)}")
         return value
     if origin is tuple:
+        if value is None:  # an empty YAML section (`overrides:`): no items
+            return ()
         if not isinstance(value, (list, tuple)):
             raise PolicyError(f"{path}: expected {_describe(tp)}, got {value!r}")
         return tuple(_build(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))

@@ -177,3 +177,33 @@ def test_quantized_sliding_layer_validates_crops_like_it_crops():
             with pytest.raises(CacheError):
                 layer.crop(n)  # refused by crop too
     assert outcomes[0] and not outcomes[-1]  # crop(0) is fine; past the window is refused
+
+
+BAD_FOR_OFFLOAD = [
+    ("dtype", lambda: torch.randn(1, 2, 10, 8).half()),
+    ("batch", lambda: torch.randn(2, 2, 10, 8)),
+    ("heads", lambda: torch.randn(1, 3, 10, 8)),
+    ("head_dim", lambda: torch.randn(1, 2, 10, 6)),
+]
+
+
+@pytest.mark.parametrize("name,make", BAD_FOR_OFFLOAD, ids=[b[0] for b in BAD_FOR_OFFLOAD])
+def test_refused_update_at_a_mirror_chunk_boundary_leaves_the_offloaded_layer_exact(name, make):
+    """The update is checked before the device mirror is regrown (it used to be rebuilt in the bad
+    update's dtype / batch first, so the next valid update returned wrong K/V)."""
+    from tiercache.model_spec import ModelSpec
+
+    model = ModelSpec("m", 1, ("full_attention",), kv_heads=2, head_dim=8, dtype="float32")
+    cache = TieredCache.from_policy({"offload": {"device": "cpu"}}, model)
+    ref = TieredCache.from_policy({}, model)
+    k0 = torch.randn(1, 2, 250, 8, generator=torch.Generator().manual_seed(0))
+    for c in (cache, ref):
+        c.update(k0, k0, 0)
+    nbytes = cache.nbytes()
+    bad = make()
+    with pytest.raises(CacheError, match="layer 0"):
+        cache.update(bad, bad, 0)  # 250 + 10 passes the mirror's 256-token chunk
+    assert cache.nbytes() == nbytes
+    k1 = torch.randn(1, 2, 1, 8)
+    out, expected = cache.update(k1, k1, 0), ref.update(k1, k1, 0)
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])

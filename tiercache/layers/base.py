@@ -15,6 +15,10 @@ Required
     crop(n)
         Remove the last ``n`` tokens (``0 <= n <= seq_length()``). ``crop(0)`` lets a sliding
         layer trim what it kept for a rollback back to its working size.
+    validate_update(key, value)
+        Raise ``CacheError`` if ``update(key, value)`` would be refused (shape, dtype, batch,
+        static room), changing nothing; the default checks only the pair itself. Processors
+        call it on the layer they wrap before changing state of their own.
     validate_crop(n)
         Raise ``CacheError`` if ``crop(n)`` would be refused, changing nothing (the default
         checks ``0 <= n <= seq_length()``; a sliding layer also checks it still holds the
@@ -82,6 +86,11 @@ class KVLayer(ABC):
 
     def max_length(self) -> int:
         return -1
+
+    def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        from tiercache.layers.spec import check_pair
+
+        check_pair(key, value)
 
     def validate_crop(self, n: int) -> None:
         check_crop(n, self.seq_length())

@@ -6,6 +6,7 @@ import torch
 
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.buffer import CHUNK, Buffer
+from tiercache.layers.spec import check_pair
 from tiercache.tiers import ComputeTier
 
 
@@ -13,9 +14,14 @@ class FullLayer(KVLayer):
     def __init__(self, tier=None, chunk: int = CHUNK):
         self.buffer = Buffer(tier or ComputeTier(), chunk)  # chunk: capacity added at a time (tokens)
 
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.buffer.spec is not None:
             self.buffer.spec.check(key, value)
+        else:
+            check_pair(key, value)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.validate_update(key, value)
         self.buffer.append(key, value)
         return self.buffer.view()  # [B, H, S, D] views
 

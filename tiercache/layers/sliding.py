@@ -16,7 +16,7 @@ import torch
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.buffer import CHUNK, Buffer
-from tiercache.layers.spec import KVSpec
+from tiercache.layers.spec import KVSpec, check_pair
 from tiercache.tiers import ComputeTier
 
 
@@ -32,10 +32,15 @@ class SlidingLayer(KVLayer):
         self.recording = False
         self.slack = min(chunk, window)  # tokens appended between two slides of the window
 
+    def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.buffer.spec is not None:
+            self.buffer.spec.check(key, value)
+        else:
+            check_pair(key, value)
+
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         buf = self.buffer
-        if buf.spec is not None:
-            buf.spec.check(key, value)
+        self.validate_update(key, value)
         t, keep = key.shape[2], self.window - 1
         visible = keep + t
         if not self.recording and len(buf) + t > buf.capacity and t > buf.chunk:

@@ -30,7 +30,7 @@ class StaticLayer(KVLayer):
         self.position: torch.Tensor | None = None  # [] int64 on the device: next write index
         self.length = 0  # host mirror of position, for checks
 
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
         spec = KVSpec.of(key, value) if self.spec is None else self.spec
         spec.check(key, value)
         t = key.shape[2]
@@ -39,6 +39,11 @@ class StaticLayer(KVLayer):
                 f"static storage is full: it holds {self.length} of max_length={self.limit} tokens and "
                 f"cannot take {t} more; raise max_length in the policy or use storage: full"
             )
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.validate_update(key, value)
+        spec = KVSpec.of(key, value) if self.spec is None else self.spec
+        t = key.shape[2]
         if self.spec is None:
             self._allocate(spec)
         index = self.position + torch.arange(t, device=self.position.device)  # [T]

@@ -98,13 +98,14 @@ class Offload(KVLayer):
         check_pair(key, value)
         if self.device is not None and key.device != self.device:
             raise CacheError(f"device: the layer computes on {self.device}, the update is on {key.device}")
-        self.device = key.device
         t = key.shape[2]
+        host_k, host_v = self._to_host(key, value)  # [B, H, T, D] on the CPU: the new tokens only
+        self.inner.validate_update(host_k, host_v)  # shape, dtype, batch, room: before the mirror changes
+        self.device = key.device
         self.prefetcher.acquire(self, room=t)  # may raise CacheError (device memory): nothing changed
         if self.k is None or self.lo + self.held + t > self.k.shape[2]:
             self._make_room(key, value)  # likewise, before the host copy changes
-        host_k, host_v = self._to_host(key, value)  # [B, H, T, D] on the CPU: the new tokens only
-        out = self.inner.update(host_k, host_v)  # may raise: nothing has changed yet
+        out = self.inner.update(host_k, host_v)  # may still raise (disk full): the mirror holds the same tokens
         self.prefetcher.count_d2h(_bytes(key) + _bytes(value))
         self._append(key, value)
         n, shown = self.held, out[0].shape[2]

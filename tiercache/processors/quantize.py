@@ -228,7 +228,14 @@ class Quantize(KVLayer):
                 f"({have * self.g} tokens) are kept; tokens before the window are gone; call record_past(True) "
                 "(activate_past_recording) before updates you may want to roll back"
             )
-        self.store.validate_crop(drop)
+        try:
+            self.store.validate_crop(drop)
+        except CacheError:  # the store speaks in blocks; say it in tokens
+            raise CacheError(
+                f"cannot crop {n} tokens from a quantized sliding layer (window {self.window}): the blocks "
+                "before the window are gone; call record_past(True) (activate_past_recording) before "
+                "updates you may want to roll back"
+            ) from None
         return drop, keep, blocks, have
 
     def crop(self, n: int) -> None:
