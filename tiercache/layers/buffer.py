@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tiercache.layers.spec import KVSpec
+from tiercache.layers.spec import KVSpec, check_pair
 
 CHUNK = 256  # tokens of capacity added at a time
 
@@ -52,6 +52,13 @@ class Buffer:
             return {}
         size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
         return {self.tier.place(self.spec.device): size}
+
+    def check(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """``CacheError`` unless ``key, value`` can be appended: a valid pair, matching what is held."""
+        if self.spec is not None:
+            self.spec.check(key, value)
+        else:
+            check_pair(key, value)
 
     # -- writing ------------------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor, slack: int = 0) -> None:

@@ -6,7 +6,6 @@ import torch
 
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.buffer import CHUNK, Buffer
-from tiercache.layers.spec import check_pair
 from tiercache.tiers import ComputeTier
 
 
@@ -15,10 +14,7 @@ class FullLayer(KVLayer):
         self.buffer = Buffer(tier or ComputeTier(), chunk)  # chunk: capacity added at a time (tokens)
 
     def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        if self.buffer.spec is not None:
-            self.buffer.spec.check(key, value)
-        else:
-            check_pair(key, value)
+        self.buffer.check(key, value)
 
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.validate_update(key, value)

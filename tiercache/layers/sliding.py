@@ -16,7 +16,7 @@ import torch
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.buffer import CHUNK, Buffer
-from tiercache.layers.spec import KVSpec, check_pair
+from tiercache.layers.spec import KVSpec
 from tiercache.tiers import ComputeTier
 
 
@@ -33,10 +33,7 @@ class SlidingLayer(KVLayer):
         self.slack = min(chunk, window)  # tokens appended between two slides of the window
 
     def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        if self.buffer.spec is not None:
-            self.buffer.spec.check(key, value)
-        else:
-            check_pair(key, value)
+        self.buffer.check(key, value)
 
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         buf = self.buffer

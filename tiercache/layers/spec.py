@@ -41,6 +41,11 @@ class KVSpec:
     @classmethod
     def of(cls, key: torch.Tensor, value: torch.Tensor) -> "KVSpec":
         check_pair(key, value)
+        return cls._read(key, value)
+
+    @classmethod
+    def _read(cls, key: torch.Tensor, value: torch.Tensor) -> "KVSpec":
+        """The spec of a pair already checked by ``check_pair``."""
         return cls(key.shape[0], key.shape[1], key.shape[3], value.shape[3], key.dtype, key.device)
 
     def with_batch(self, batch: int) -> "KVSpec":
@@ -48,7 +53,7 @@ class KVSpec:
 
     def check(self, key: torch.Tensor, value: torch.Tensor) -> None:
         check_pair(key, value)
-        got = KVSpec.of(key, value)
+        got = KVSpec._read(key, value)
         for field, what in (
             ("batch", "batch size (use select / repeat_interleave / reorder to change it)"),
             ("heads", "kv head count"),

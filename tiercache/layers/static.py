@@ -31,18 +31,25 @@ class StaticLayer(KVLayer):
         self.length = 0  # host mirror of position, for checks
 
     def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        spec = KVSpec.of(key, value) if self.spec is None else self.spec
-        spec.check(key, value)
+        self._checked(key, value)
+
+    def _checked(self, key: torch.Tensor, value: torch.Tensor) -> KVSpec:
+        """The spec the update is written with; ``CacheError`` (nothing changed) when it is refused."""
+        spec = self.spec
+        if spec is None:
+            spec = KVSpec.of(key, value)
+        else:
+            spec.check(key, value)
         t = key.shape[2]
         if self.length + t > self.limit:
             raise CacheError(
                 f"static storage is full: it holds {self.length} of max_length={self.limit} tokens and "
                 f"cannot take {t} more; raise max_length in the policy or use storage: full"
             )
+        return spec
 
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.validate_update(key, value)
-        spec = KVSpec.of(key, value) if self.spec is None else self.spec
+        spec = self._checked(key, value)
         t = key.shape[2]
         if self.spec is None:
             self._allocate(spec)
