@@ -1,0 +1,29 @@
+"""The benchmark scripts in ``bench/`` still run end to end (tiny sizes: a smoke test, no timing asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+SCRIPTS = [
+    pytest.param("bench_core.py", ["--prompt", "96", "--new", "6", "--repeats", "1"],
+                 ["ratio TieredCache / DynamicCache", "identical tokens: True", "| TieredCache (full) |"], id="core"),
+    pytest.param("bench_quantize.py", ["--prompt", "160", "--new", "4", "--group", "32", "--residual", "32"],
+                 ["tiercache Quantize (native, KIVI)", "QuantizedCache"], id="quantize"),
+    pytest.param("bench_offload.py", ["--context", "64", "--new", "4", "--warmup", "1"],
+                 ["| offload+int4 |", "bus bytes"], id="offload"),
+]
+
+
+@pytest.mark.parametrize("script, args, expected", SCRIPTS)
+def test_bench_script_runs(script, args, expected, tmp_path):
+    out = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for text in expected:
+        assert text in out.stdout, f"{text!r} missing from the output of {script}:\n{out.stdout[-3000:]}"
