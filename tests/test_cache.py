@@ -140,6 +140,37 @@ def test_static_policy_generates_like_static_cache():
         gen(model, ours, torch.cat([ids] * 4, dim=1), max_new_tokens=5)
 
 
+STATIC_MIXED = [
+    pytest.param("mistral", {}, id="mistral-sliding"),
+    pytest.param("cohere2", {}, id="cohere2-sliding+full"),
+    pytest.param("gemma3", {}, id="gemma3-sliding+full"),
+    pytest.param("llama", {"offload": {"device": "cpu"}}, id="llama-offload"),
+    pytest.param("qwen2", {"overrides": [{"layers": [0], "offload": {"device": "cpu"}}]}, id="qwen2-one-layer-offload"),
+]
+
+
+@pytest.mark.parametrize("family, extra", STATIC_MIXED)
+def test_static_policy_in_a_cache_that_is_not_compileable_matches_dynamic_cache(family, extra):
+    """Static layers next to sliding or offloaded ones: transformers drops the SDPA mask on
+    one-token steps of a non-compileable cache, so the static layers must not hand attention
+    their unused (zero) tail. Regression: they did, and every decode step attended to zeros."""
+    model = build(family)
+    model.config._attn_implementation = "sdpa"
+    ids = prompt(1, 14)  # longer than the window of 8: the sliding layers slide
+    ours = TieredCache.from_policy({"storage": "static", "max_length": 48, **extra}, model.config)
+    assert not ours.is_compileable
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        a = model(ids, past_key_values=ours).logits[:, -1:]
+        b = model(ids, past_key_values=ref).logits[:, -1:]
+        for _ in range(6):  # one-token steps: the ones whose mask is dropped
+            nxt = b.argmax(-1)
+            a, b = (model(nxt, past_key_values=c).logits for c in (ours, ref))
+            assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+    assert torch.equal(gen(model, TieredCache.from_policy({"storage": "static", "max_length": 48, **extra}, model.config), ids),
+                       gen(model, DynamicCache(config=model.config), ids))
+
+
 def test_shared_buffers_are_reported_once_and_apart():
     model = build("llama")
     cache = TieredCache.from_policy({"quantize": {"bits": 4, "group_size": 4, "residual_length": 4}}, model.config)

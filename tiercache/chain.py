@@ -25,16 +25,19 @@ from tiercache.layers.static import StaticLayer
 from tiercache.policy import LayerPolicy
 
 
-def make_storage(window: int | None = None, max_length: int | None = None, tier=None, chunk: int = CHUNK) -> KVLayer:
+def make_storage(window: int | None = None, max_length: int | None = None, tier=None, chunk: int = CHUNK,
+                 padded: bool = False) -> KVLayer:
     """``sliding`` when a window is given, else ``static`` when a max_length is, else ``full``.
 
     ``chunk``: tokens of capacity a growable buffer adds at a time (Quantize stores one packed
-    block per "token", so it asks for a few blocks at a time rather than 256).
+    block per "token", so it asks for a few blocks at a time rather than 256). ``padded``: a
+    static layer returns all ``max_length`` slots (only in a cache that is compileable as a
+    whole, see ``tiercache.layers.static``).
     """
     if window is not None:
         return SlidingLayer(window, tier, chunk)
     if max_length is not None:
-        return StaticLayer(max_length, tier)
+        return StaticLayer(max_length, tier, padded=padded)
     return FullLayer(tier, chunk)
 
 
@@ -97,12 +100,17 @@ class Shared:
         self._workspaces.clear()
 
 
-def build_layer(lp: LayerPolicy, shared: Shared) -> KVLayer:
+def compileable(lp: LayerPolicy) -> bool:
+    """The layer is plain resident static storage (a cache of only those is compileable)."""
+    return lp.storage == "static" and lp.window is None and lp.quantize is None and lp.offload is None
+
+
+def build_layer(lp: LayerPolicy, shared: Shared, padded: bool = False) -> KVLayer:
     max_length = lp.max_length if lp.storage == "static" else None
 
     def make_store(window: int | None = None, max_length: int | None = None, chunk: int = CHUNK) -> KVLayer:
         if lp.offload is None:
-            return make_storage(window, max_length, chunk=chunk)
+            return make_storage(window, max_length, chunk=chunk, padded=padded)
         from tiercache.processors.offload import offloaded
 
         return offloaded(lambda tier: make_storage(window, max_length, tier, chunk), lp.offload, shared.prefetcher, lp.index)
@@ -116,4 +124,5 @@ def build_layer(lp: LayerPolicy, shared: Shared) -> KVLayer:
 
 def build_layers(layer_policies: list[LayerPolicy]) -> tuple[list[KVLayer], Shared]:
     shared = Shared()
-    return [build_layer(lp, shared) for lp in layer_policies], shared
+    padded = bool(layer_policies) and all(compileable(lp) for lp in layer_policies)
+    return [build_layer(lp, shared, padded) for lp in layer_policies], shared

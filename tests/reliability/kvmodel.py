@@ -10,7 +10,8 @@ prefetcher cycles through three layers.
 ``Ref`` is one layer's plain model: every token ever written, in one full-precision tensor
 (``torch.cat``), plus the few numbers that say what a layer of that kind shows:
 
-- full: all tokens; static: all tokens in a ``max_length`` view (the tail is masked);
+- full: all tokens; static: all tokens in a ``max_length`` view (the tail is masked) when the
+  cache is compileable as a whole, else exactly the tokens held (as full);
 - sliding: the last ``window - 1 + T`` tokens (transformers' contract), keeping the last
   ``window - 1`` (all of them while recording) for crops;
 - quantized: leading tokens that the layer has packed into blocks are replaced, once, by the
@@ -100,7 +101,8 @@ class Chain:
         for i, kind in enumerate(LAYER_KINDS):
             sliding = kind == "sliding_attention"
             storage = "sliding" if sliding else ("static" if self.storage == "static" else "full")
-            out.append(Ref(storage, window=self.window if sliding else None, limit=MAX_LENGTH, quant=quantizer(cache.layers[i])))
+            out.append(Ref(storage, window=self.window if sliding else None, limit=MAX_LENGTH,
+                           quant=quantizer(cache.layers[i]), padded=cache.is_compileable))
         return out
 
 
@@ -163,8 +165,10 @@ def same_snapshot(a, b) -> bool:
 
 
 class Ref:
-    def __init__(self, storage: str, window: int | None = None, limit: int | None = None, quant: Quantize | None = None):
+    def __init__(self, storage: str, window: int | None = None, limit: int | None = None, quant: Quantize | None = None,
+                 padded: bool = False):
         self.storage, self.window, self.limit, self.quant = storage, window, limit, quant
+        self.padded = storage == "static" and quant is None and padded  # shows all max_length slots
         self.k = self.v = None  # [B, H, S, D]: every token, full precision (packed ones round-tripped)
         self.kept_from = 0  # sliding: first position a plain sliding layer still holds
         self.recording = False
@@ -198,13 +202,13 @@ class Ref:
 
     def out_length(self) -> int | None:
         """Token axis length of ``update`` results, when it is not the expected tensor's own."""
-        return self.limit if self.storage == "static" and self.quant is None else None
+        return self.limit if self.padded else None
 
     def mask_sizes(self, q: int) -> tuple[int, int]:
         if self.storage == "sliding":
             offset = max(self.seen - self.window + 1, 0)
             return (self.window - 1 + q if self.seen >= self.window else self.seen + q), offset
-        if self.storage == "static" and self.quant is None:
+        if self.padded:
             return self.limit, 0
         return self.seen + q, 0
 

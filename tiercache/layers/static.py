@@ -1,9 +1,14 @@
 """``static`` storage: preallocated to ``max_length`` tokens, written by index.
 
-Addresses never change after the first update (beam reorder copies in place), the write
-position is a device tensor and the returned K/V always span ``max_length`` (the mask hides
-the unused tail), so a model step using it can be captured by ``torch.compile`` / CUDA graphs.
-An update that would pass ``max_length`` raises ``CacheError`` and writes nothing.
+Addresses never change after the first update (beam reorder copies in place) and the write
+position is a device tensor. ``padded`` (the default): the returned K/V always span
+``max_length`` and the attention mask hides the unused tail, so a model step using it can be
+captured by ``torch.compile`` / CUDA graphs. That relies on the mask: transformers builds it
+for every step only when the *whole cache* is compileable, and drops it on one-token steps
+otherwise (then attention would read the zero tail). So a cache that mixes static layers with
+sliding, offloaded or quantized ones builds them with ``padded=False``: they return exactly the
+held tokens (mask sizes as ``full``), still from the preallocated buffer, and are not
+compileable. An update that would pass ``max_length`` raises ``CacheError`` and writes nothing.
 """
 
 from __future__ import annotations
@@ -17,12 +22,11 @@ from tiercache.tiers import ComputeTier
 
 
 class StaticLayer(KVLayer):
-    is_compileable = True
-
-    def __init__(self, max_length: int, tier=None):
+    def __init__(self, max_length: int, tier=None, padded: bool = True):
         if not isinstance(max_length, int) or max_length < 1:
             raise CacheError(f"static storage needs max_length >= 1, got {max_length!r}")
         self.limit = max_length
+        self.padded = self.is_compileable = bool(padded)
         self.tier = tier or ComputeTier()
         self.spec: KVSpec | None = None
         self.keys: torch.Tensor | None = None  # [B, H, max_length, Dk]
@@ -58,13 +62,15 @@ class StaticLayer(KVLayer):
         self.values.index_copy_(2, index, value)
         self.position.add_(t)
         self.length += t
+        if not self.padded:
+            return self.keys[:, :, : self.length], self.values[:, :, : self.length]  # [B, H, S, D]
         return self.keys, self.values  # [B, H, max_length, D]; positions >= length are masked
 
     def seq_length(self) -> int:
         return self.length
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.limit, 0
+        return (self.limit, 0) if self.padded else (self.length + query_length, 0)
 
     def max_length(self) -> int:
         return self.limit
