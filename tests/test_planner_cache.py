@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Gemma2Config, LlamaConfig, MistralConfig
+from transformers import DeepseekV3Config, FalconConfig, Gemma2Config, Gemma4TextConfig, LlamaConfig, MistralConfig
 
 import tiercache
 from tiercache.model_spec import ModelSpec
@@ -27,6 +27,24 @@ MODELS = {
     "gemma2": lambda: Gemma2Config(num_hidden_layers=4, sliding_window=64, **SHAPE),
     "mistral": lambda: MistralConfig(num_hidden_layers=3, sliding_window=200, **SHAPE),
 }
+# What layers cache differs from num_key_value_heads x head_dim: multi-query, latent attention
+# (DeepSeek MLA: keys kv_lora_rank wide, values qk_rope_head_dim), per-layer head dims and KV
+# sharing (Gemma 4: wider full-attention layers; the last two layers reuse earlier ones' K/V).
+SHAPED = {
+    "falcon-mqa": lambda: FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       multi_query=True),
+    "deepseek-mla": lambda: DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+        num_hidden_layers=2, n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1,
+        moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16),
+    "gemma4-shared": lambda: Gemma4TextConfig(
+        vocab_size=128, vocab_size_per_layer_input=128, hidden_size=64, hidden_size_per_layer_input=8,
+        intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        global_head_dim=32, sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 3,
+        num_kv_shared_layers=2),
+}
+MODELS.update(SHAPED)
 BATCH, PREFILL, STEPS = 2, 600, 150  # two flushes of a 64-token block after the prefill: steady state
 
 Q4 = {"bits": 4, "group_size": 32, "residual_length": 64}
@@ -59,13 +77,17 @@ def _needs(policy) -> None:
 
 
 def _filled(policy, config, dtype=torch.float32):
+    """A cache fed as the model would: each layer the shape it caches; KV-sharing ``reuse`` layers never."""
     cache = tiercache.TieredCache.from_policy(policy, config, batch_size=BATCH, context_length=PREFILL + STEPS)
+    spec = ModelSpec.from_config(config)
     g = torch.Generator().manual_seed(0)
-    shape = (BATCH, config.num_key_value_heads, PREFILL, SHAPE["head_dim"])
     for t in (PREFILL, *[1] * STEPS):
-        for i in range(config.num_hidden_layers):
-            k = torch.randn(*shape[:2], t, shape[3], generator=g).to(dtype)
-            cache.update(k, torch.randn(k.shape, generator=g).to(dtype), i)
+        for i in range(spec.num_layers):
+            if spec.kv_sharing(i) == "reuse":
+                continue
+            heads, key_dim, value_dim = spec.kv_shape(i)
+            k = torch.randn(BATCH, heads, t, key_dim, generator=g).to(dtype)
+            cache.update(k, torch.randn(BATCH, heads, t, value_dim, generator=g).to(dtype), i)
     return cache
 
 
@@ -109,8 +131,10 @@ def test_every_config_matches_a_filled_cache(path, model, monkeypatch):
 
 # mistral (every layer sliding) only where it adds a case: sliding layers quantized / offloaded
 GRID = [(name, model) for name in POLICIES for model in MODELS
-        if not ("sliding" in name and model == "llama")
-        and (model != "mistral" or name in ("fp", "int4", "int4-host-sliding-offloaded", "static-int4"))]
+        if not ("sliding" in name and model in ("llama", "falcon-mqa", "deepseek-mla"))
+        and (model != "mistral" or name in ("fp", "int4", "int4-host-sliding-offloaded", "static-int4"))
+        and (model not in SHAPED or name in ("fp", "static", "host", "int4", "int4-host", "int2-token-keys",
+                                             "int4-host-sliding-offloaded"))]
 
 
 @pytest.mark.parametrize("name,model", GRID, ids=[f"{n}-{m}" for n, m in GRID])

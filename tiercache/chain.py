@@ -9,6 +9,11 @@ Quantize sits *outside* Offload so that what is kept on the host and crosses the
 packed blocks, and the residual window stays on the compute device. ``Shared`` carries what
 the layers of one cache share: the offload prefetcher (side stream, device buffers) and the
 dequantization workspace of the quantized layers (``Shared.workspace``).
+
+KV sharing (Gemma 3n / Gemma 4): a layer whose K/V later layers read (``kv_sharing ==
+"store"``) must return tensors that outlive other layers' updates, so it gets no shared
+workspace (Quantize returns fresh tensors) and an offloaded one returns copies of its mirror
+(the prefetcher's slots are reused by the next layers).
 """
 
 from __future__ import annotations
@@ -107,19 +112,21 @@ def compileable(lp: LayerPolicy) -> bool:
 
 def build_layer(lp: LayerPolicy, shared: Shared, padded: bool = False) -> KVLayer:
     max_length = lp.max_length if lp.storage == "static" else None
+    owned = lp.kv_sharing == "store"  # the model keeps this layer's K/V past other layers' updates
 
     def make_store(window: int | None = None, max_length: int | None = None, chunk: int = CHUNK) -> KVLayer:
         if lp.offload is None:
             return make_storage(window, max_length, chunk=chunk, padded=padded)
         from tiercache.processors.offload import offloaded
 
-        return offloaded(lambda tier: make_storage(window, max_length, tier, chunk), lp.offload, shared.prefetcher, lp.index)
+        return offloaded(lambda tier: make_storage(window, max_length, tier, chunk), lp.offload, shared.prefetcher,
+                         lp.index, owned_outputs=owned and lp.quantize is None)
 
     if lp.quantize is None:
         return make_store(lp.window, max_length)
     from tiercache.processors.quantize import Quantize
 
-    return Quantize(make_store, lp.quantize, window=lp.window, max_length=max_length, shared=shared)
+    return Quantize(make_store, lp.quantize, window=lp.window, max_length=max_length, shared=None if owned else shared)
 
 
 def build_layers(layer_policies: list[LayerPolicy]) -> tuple[list[KVLayer], Shared]:

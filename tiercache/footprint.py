@@ -27,6 +27,10 @@ sliding buffer can be one slack smaller.
   The quantized layers share one workspace (``chain.Shared.workspace``): the K/V a decode step
   returns for the layer that returns the most (``tokens``; a sliding layer ``min(tokens,
   window)``), in whole CHUNKs of tokens.
+- KV sharing (``ModelSpec.kv_sharing``): a ``reuse`` layer never updates, so it holds nothing; a
+  ``store`` layer's quantized K/V are returned in fresh tensors, not in the shared workspace.
+- per-layer shapes: every formula takes the layer's ``(kv_heads, key_dim, value_dim)``
+  (``ModelSpec.kv_shape``).
 - ``offload`` (``processors/offload.py``): the store lives on the host or disk tier; the shared
   prefetcher keeps ``min(prefetch + 1, offloaded layers)`` device slots, each holding one
   layer's mirror (``capacity_for(kept + 1)`` tokens or rows, at least the host capacity);
@@ -53,6 +57,7 @@ class Footprint:
     tokens: int = 0  # tokens the layer keeps (after its window)
     mirrored: int = 0  # bytes of the offloaded part (what the prefetcher copies to the device)
     returned: int = 0  # tokens a quantized layer's decode step returns (in the shared workspace); 0 otherwise
+    workspace: int = 0  # bytes of the shared workspace that decode step needs (``returned`` in whole CHUNKs)
 
     def total(self) -> int:
         return sum(self.held.values())
@@ -83,9 +88,10 @@ def storage_capacity(lp: LayerPolicy, tokens: int, chunk: int = CHUNK, window: i
     return capacity_for(tokens, chunk)
 
 
-def _fp_bytes(model: ModelSpec, batch: int, tokens: int) -> int:
-    """Full-precision K and V bytes of ``tokens`` tokens (keys and values share head_dim)."""
-    return batch * model.kv_heads * tokens * 2 * model.head_dim * model.dtype_bytes
+def _fp_bytes(model: ModelSpec, index: int, batch: int, tokens: int) -> int:
+    """Full-precision K and V bytes of ``tokens`` tokens of layer ``index``."""
+    heads, key_dim, value_dim = model.kv_shape(index)
+    return batch * heads * tokens * (key_dim + value_dim) * model.dtype_bytes
 
 
 def row_bytes(q: QuantizePolicy, head_dim: int, axis: str, dtype_bytes: int) -> int:
@@ -99,16 +105,17 @@ def row_bytes(q: QuantizePolicy, head_dim: int, axis: str, dtype_bytes: int) -> 
     return meta_at + groups * dtype_bytes * (1 if q.format == "fp8" else 2)
 
 
-def quantized_bytes(q: QuantizePolicy, model: ModelSpec, batch: int, tokens: int) -> int:
-    """Packed K and V of ``tokens`` tokens (whole blocks), metadata included, no spare rows."""
-    rows = batch * model.kv_heads * (tokens // q.group_size)
-    return rows * _block_bytes(q, model)
+def quantized_bytes(q: QuantizePolicy, model: ModelSpec, batch: int, tokens: int, index: int = 0) -> int:
+    """Packed K and V of ``tokens`` tokens (whole blocks) of layer ``index``, metadata included, no spare rows."""
+    rows = batch * model.kv_shape(index)[0] * (tokens // q.group_size)
+    return rows * _block_bytes(q, model, index)
 
 
-def _block_bytes(q: QuantizePolicy, model: ModelSpec) -> int:
-    """One block of K plus one of V, for one batch row and head."""
-    d, size = model.head_dim, model.dtype_bytes
-    return row_bytes(q, d, q.key_axis, size) + row_bytes(q, d, q.value_axis, size)
+def _block_bytes(q: QuantizePolicy, model: ModelSpec, index: int) -> int:
+    """One block of K plus one of V of layer ``index``, for one batch row and head."""
+    _, key_dim, value_dim = model.kv_shape(index)
+    size = model.dtype_bytes
+    return row_bytes(q, key_dim, q.key_axis, size) + row_bytes(q, value_dim, q.value_axis, size)
 
 
 def quantize_split(q: QuantizePolicy, seen: int) -> tuple[int, int]:
@@ -125,14 +132,17 @@ def quantize_split(q: QuantizePolicy, seen: int) -> tuple[int, int]:
 
 
 def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) -> Footprint:
+    if model.kv_sharing(lp.index) == "reuse":  # reads another layer's K/V: never updated
+        return Footprint({}, 0)
     kept = kept_tokens(lp, tokens)
     cold = "host" if lp.offload is None or lp.offload.device == "cpu" else "disk"
+    i = lp.index
     if lp.quantize is None:
         cap = storage_capacity(lp, tokens)
-        fp = _fp_bytes(model, batch, cap)
+        fp = _fp_bytes(model, i, batch, cap)
         if lp.offload is None:
             return Footprint({"device": fp}, kept)
-        return Footprint({cold: fp}, kept, _fp_bytes(model, batch, _mirror_tokens(cap, kept)))
+        return Footprint({cold: fp}, kept, _fp_bytes(model, i, batch, _mirror_tokens(cap, kept)))
     returned = min(tokens, lp.window) if lp.storage == "sliding" and lp.window else tokens
     q = lp.quantize
     packed, residual = quantize_split(q, tokens)
@@ -145,16 +155,19 @@ def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) 
         # a flush appends several rows at once: SlidingLayer's long-update path keeps the last
         # window - 1 rows with one row of slack, every time
         rows = min(blocks, window - 1) + 1
-    block = batch * model.kv_heads * _block_bytes(q, model)
+    block = batch * model.kv_shape(i)[0] * _block_bytes(q, model, i)
     store = rows * block
     kept_rows = min(blocks, window - 1) if window else blocks
-    held = {"device": _fp_bytes(model, batch, residual)}
+    held = {"device": _fp_bytes(model, i, batch, residual)}
+    if model.kv_sharing(i) == "store":  # returns fresh tensors (the model keeps them): no workspace
+        returned = 0
+    work = _fp_bytes(model, i, batch, capacity_for(returned)) if returned else 0
     if lp.offload is None:
         held["device"] += store
-        return Footprint(held, min(kept, kept_rows * q.group_size + residual), 0, returned)
+        return Footprint(held, min(kept, kept_rows * q.group_size + residual), 0, returned, work)
     held[cold] = store
     mirror = block * _mirror_tokens(rows, kept_rows) if blocks else 0
-    return Footprint(held, min(kept, kept_rows * q.group_size + residual), mirror, returned)
+    return Footprint(held, min(kept, kept_rows * q.group_size + residual), mirror, returned, work)
 
 
 def _mirror_tokens(host_capacity: int, kept: int) -> int:
@@ -167,8 +180,7 @@ def _mirror_tokens(host_capacity: int, kept: int) -> int:
 def workspace_bytes(footprints: list[Footprint], model: ModelSpec, batch: int) -> int:
     """The shared dequantization workspace: the largest decode step's K and V, in whole CHUNKs
     of tokens (``chain.Shared.workspace``); 0 without quantized layers."""
-    most = max((f.returned for f in footprints), default=0)
-    return _fp_bytes(model, batch, capacity_for(most)) if most else 0
+    return max((f.workspace for f in footprints), default=0)
 
 
 def mirror_bytes(footprints: list[Footprint], prefetch: int) -> int:

@@ -4,6 +4,22 @@
 attributes: ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` ...); ``PRESETS`` holds
 well-known model shapes so that planning works with no network. Reading a config needs no
 transformers import (attributes only).
+
+What a layer caches, ``kv_shape(i) -> (kv_heads, key_dim, value_dim)``, follows what the
+model passes to ``cache.update`` (transformers 5.x):
+- most models: ``num_key_value_heads`` (else ``num_attention_heads``) heads of ``head_dim``
+  (else ``hidden_size / num_attention_heads``), for keys and values alike;
+- multi-query models that say so with ``multi_query`` (Falcon without the new decoder
+  architecture, GPT-BigCode): one head;
+- multi-head latent attention (a ``kv_lora_rank``: DeepSeek-V2/V3, MiniCPM3, GLM-4 MoE Lite ...):
+  the compressed latents, one "head", keys ``kv_lora_rank`` wide and values
+  ``qk_rope_head_dim`` wide;
+- heterogeneous configs (``per_layer_config``, e.g. Gemma 4's wider full-attention layers):
+  read layer by layer.
+KV sharing (``kv_sharing_modes``, Gemma 3n / Gemma 4): a ``"reuse"`` layer never updates the
+cache (it reads another layer's K/V), so it holds nothing; a ``"store"`` layer's returned K/V
+are kept by the model and read after other layers have updated, so its chain must return
+tensors of its own (``kv_sharing(i)``).
 """
 
 from __future__ import annotations
@@ -24,24 +40,44 @@ class ModelSpec:
     head_dim: int
     sliding_window: int | None = None
     dtype: str = "bfloat16"
+    value_dim: int | None = None  # when values are not head_dim wide (None: head_dim)
+    layer_shapes: tuple[tuple[int, int, int], ...] | None = None  # per layer when layers differ
+    kv_sharing_modes: tuple[str | None, ...] | None = None  # per layer: None | "store" | "reuse"
 
     @property
     def dtype_bytes(self) -> int:
         return _DTYPE_BYTES[self.dtype]
 
+    def kv_shape(self, index: int) -> tuple[int, int, int]:
+        """``(kv_heads, key_dim, value_dim)`` that layer ``index`` caches per token."""
+        if self.layer_shapes is not None:
+            return self.layer_shapes[index]
+        return self.kv_heads, self.head_dim, self.value_dim or self.head_dim
+
+    def kv_sharing(self, index: int) -> str | None:
+        """``None``, ``"store"`` (later layers read its K/V) or ``"reuse"`` (it caches nothing)."""
+        return None if self.kv_sharing_modes is None else self.kv_sharing_modes[index]
+
+    def describe(self) -> str:
+        """``2 kv heads x 64`` (or each distinct shape, when layers differ)."""
+        shapes = sorted({self.kv_shape(i) for i in range(self.num_layers)}, reverse=True)
+        return ", ".join(f"{h} kv heads x {k}" if k == v else f"{h} kv heads x {k} (keys) / {v} (values)"
+                         for h, k, v in shapes)
+
     @classmethod
     def from_config(cls, config) -> "ModelSpec":
         if hasattr(config, "get_text_config"):
             config = config.get_text_config(decoder=True)
+        per_layer = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else None
         n = getattr(config, "num_hidden_layers", None)
-        heads = getattr(config, "num_attention_heads", None)
+        heads = _read(config, "num_attention_heads", per_layer)
         if not isinstance(n, int) or not isinstance(heads, int):
             raise PolicyError(
                 f"model config {type(config).__name__} lacks num_hidden_layers / num_attention_heads: not a decoder config"
             )
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        window = getattr(config, "sliding_window", None)
+        shapes = [_kv_shape(c) for c in per_layer] if per_layer else [_kv_shape(config)] * n
+        kv_heads, head_dim, value_dim = shapes[0]
+        window = _read(config, "sliding_window", per_layer)
         types = getattr(config, "layer_types", None)
         if types is None:
             chunk = getattr(config, "attention_chunk_size", None)
@@ -57,6 +93,11 @@ class ModelSpec:
             )
         if any(t != "full_attention" for t in types) and not window:
             window = getattr(config, "attention_chunk_size", None)
+        try:
+            sharing = getattr(config, "kv_sharing_modes", None)
+        except ValueError as e:  # transformers validates the sharing layout when asked
+            raise PolicyError(f"model config {type(config).__name__}: {e}") from None
+        sharing = tuple(sharing) if sharing is not None and any(m is not None for m in sharing) else None
         dtype = getattr(config, "dtype", None) or "float32"
         dtype = str(dtype).replace("torch.", "")
         return cls(
@@ -67,7 +108,29 @@ class ModelSpec:
             head_dim=head_dim,
             sliding_window=window,
             dtype=dtype if dtype in _DTYPE_BYTES else "float32",
+            value_dim=value_dim if value_dim != head_dim else None,
+            layer_shapes=tuple(shapes) if len(set(shapes)) > 1 else None,
+            kv_sharing_modes=sharing,
         )
+
+
+def _kv_shape(c) -> tuple[int, int, int]:
+    """``(kv_heads, key_dim, value_dim)`` a decoder layer with config ``c`` passes to the cache."""
+    heads = c.num_attention_heads
+    rank, rope = getattr(c, "kv_lora_rank", None), getattr(c, "qk_rope_head_dim", None)
+    if isinstance(rank, int) and isinstance(rope, int):  # MLA: the compressed latents, one "head"
+        return 1, rank, rope
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    if getattr(c, "multi_query", False) and not getattr(c, "new_decoder_architecture", False):
+        return 1, head_dim, head_dim
+    return getattr(c, "num_key_value_heads", None) or heads, head_dim, head_dim
+
+
+def _read(config, name: str, per_layer):
+    """A config attribute that heterogeneous configs may hold per layer: the first layer's that has it."""
+    if per_layer:
+        return next((v for v in (getattr(c, name, None) for c in per_layer) if v), None)
+    return getattr(config, name, None)
 
 
 def _alternating(n: int, every: int = 2) -> tuple[str, ...]:

@@ -17,7 +17,7 @@ def render(plan) -> str:
     head = p.requested or p.policy
     lines = [f"policy {head.name}" + (f": {head.description}" if head.description else "")]
     lines.append(
-        f"model {spec.name}: {spec.num_layers} layers, {spec.kv_heads} kv heads x {spec.head_dim}, {spec.dtype}"
+        f"model {spec.name}: {spec.num_layers} layers, {spec.describe()}, {spec.dtype}"
         f" | batch {p.batch_size} | context {p.context_length} tokens"
     )
     if p.rungs is not None:

@@ -106,6 +106,7 @@ class LayerPolicy:
     max_length: int | None
     quantize: QuantizePolicy | None
     offload: OffloadPolicy | None
+    kv_sharing: str | None = None  # the model's: None | "store" (return owned K/V) | "reuse" (never updated)
 
 
 KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -179,7 +180,8 @@ class Policy:
                     offload = o.offload
             storage = "sliding" if sliding else self.storage
             window = model.sliding_window if sliding else None
-            out.append(LayerPolicy(idx, layer_type, storage, window, self.max_length, quantize, offload))
+            sharing = model.kv_sharing(idx) if hasattr(model, "kv_sharing") else None
+            out.append(LayerPolicy(idx, layer_type, storage, window, self.max_length, quantize, offload, sharing))
         return out
 
 

@@ -1,11 +1,13 @@
 """``Offload``: a layer whose authoritative copy lives on a host tier (pinned CPU memory or disk
 files), brought to the compute device just before use.
 
-    offloaded(make_storage_on, config, prefetcher, index) -> Offload
+    offloaded(make_storage_on, config, prefetcher, index, owned_outputs=False) -> Offload
         ``make_storage_on(tier)`` builds the storage layer (full | static | sliding) on the tier
         that ``config.device`` names: ``HostTier(pin_memory)`` for ``cpu``, ``DiskTier(path)``
         for ``disk``. The ``Prefetcher`` (``tiercache.processors.prefetch``) is shared by the
-        offloaded layers of one cache.
+        offloaded layers of one cache. ``owned_outputs``: ``update`` returns copies, not views
+        of the mirror (for a layer whose K/V the model reads after other layers' updates,
+        which reuse the slots: KV sharing).
 
 It is a layer (``tiercache.layers.base`` protocol) and reads the layer it wraps only through
 that protocol. The device side is a *mirror* in a reusable slot of the prefetcher's pool: when
@@ -18,7 +20,7 @@ blocks of ``Quantize`` cross the bus compressed), and keys and values may differ
 Errors: the host write happens before the mirror changes, so an update the inner layer
 rejects (``CacheError``: wrong shape, static storage full, disk full) leaves the layer as it
 was; device memory for the mirror is found before that, so running out of it (``CacheError``
-from the prefetcher) changes nothing either. Crop / reorder / select / repeat_interleave / record_past / reset act on the host copy
+from the prefetcher) changes nothing either. Crop / reorder / select / repeat_interleave / set_recording / reset act on the host copy
 and drop the mirror (the next use fetches it again).
 
 ``nbytes()`` reports the host tier only (``"cpu"`` or ``"disk"``). The mirrors belong to the
@@ -47,7 +49,8 @@ from tiercache.tiers import HostTier
 __all__ = ["Offload", "Prefetcher", "offloaded"]
 
 
-def offloaded(make_storage_on, config: OffloadPolicy, prefetcher: Prefetcher, index: int) -> "Offload":
+def offloaded(make_storage_on, config: OffloadPolicy, prefetcher: Prefetcher, index: int,
+              owned_outputs: bool = False) -> "Offload":
     """Build the storage on the tier ``config`` names and wrap it in ``Offload``."""
     if config.device == "disk":
         from tiercache.processors.disk import DiskTier
@@ -55,7 +58,7 @@ def offloaded(make_storage_on, config: OffloadPolicy, prefetcher: Prefetcher, in
         tier = DiskTier(config.path, label=f"layer{index}")
     else:
         tier = HostTier(config.pin_memory)
-    return Offload(make_storage_on(tier), prefetcher, index, depth=config.prefetch)
+    return Offload(make_storage_on(tier), prefetcher, index, depth=config.prefetch, owned_outputs=owned_outputs)
 
 
 def row_stride(t: torch.Tensor) -> int | None:
@@ -75,10 +78,12 @@ def row_stride(t: torch.Tensor) -> int | None:
 
 
 class Offload(KVLayer):
-    def __init__(self, inner: KVLayer, prefetcher: Prefetcher, index: int = 0, depth: int = 1):
+    def __init__(self, inner: KVLayer, prefetcher: Prefetcher, index: int = 0, depth: int = 1,
+                 owned_outputs: bool = False):
         if depth < 0:
             raise CacheError(f"offload prefetch depth must be >= 0, got {depth}")
         self.inner = inner
+        self.owned_outputs = owned_outputs
         self.prefetcher = prefetcher
         self.index = index
         self.depth = depth
@@ -114,6 +119,8 @@ class Offload(KVLayer):
         kept = self.inner.kv()
         kept = 0 if kept is None else kept[0].shape[2]
         self.lo, self.held = self.lo + n - kept, kept  # the inner keeps a suffix of held + new
+        if self.owned_outputs:
+            return result[0].clone(), result[1].clone()
         return result
 
     def seq_length(self) -> int:
@@ -140,12 +147,12 @@ class Offload(KVLayer):
     def repeat_interleave(self, repeats: int) -> None:
         self._on_host("repeat_interleave", repeats)
 
-    def record_past(self, on: bool) -> None:
-        self._on_host("record_past", on)
+    def set_recording(self, on: bool) -> None:
+        self._on_host("set_recording", on)
 
     @property
     def recording(self) -> bool:
-        return bool(getattr(self.inner, "recording", False))
+        return self.inner.record_past
 
     def reset(self) -> None:
         self._on_host("reset")
