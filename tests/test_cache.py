@@ -190,3 +190,31 @@ def test_more_families_full_precision_identical_and_tiered_policies_run(family):
     tiered = TieredCache.from_policy("configs/tiered-int4-offload.yaml", model.config)
     out = gen(model, tiered, ids)
     assert out.shape == (2, 30) and tiered.get_seq_length() == 29 and tiered.nbytes()["cpu"] > 0
+
+
+@pytest.mark.parametrize("policy", [FP, {"quantize": {"bits": 8, "group_size": 2, "residual_length": 2},
+                                         "overrides": [{"layer_type": "sliding_attention", "offload": {"device": "cpu"}}]}],
+                         ids=["fp", "int8-offloaded-sliding"])
+def test_record_past_is_transformers_assignable_attribute(policy):
+    """transformers' generate ends a deferred stop with ``layer.record_past = False`` on every
+    layer (MPS path). Regression: that replaced our method with a bool, so sliding layers kept
+    recording for good and the next ``activate_past_recording()`` raised TypeError."""
+    model = build("mistral")  # every layer sliding, window 8
+    cache = TieredCache.from_policy(policy, model.config)
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        for c in (cache, ref):
+            model(prompt(1, 12), past_key_values=c)
+            c.activate_past_recording()
+            assert c.is_recording_past(0)
+            model(prompt(1, 3, seed=2), past_key_values=c)
+            c.crop(-1)
+            for layer in c.layers:
+                layer.record_past = False
+            assert not c.is_recording_past(0)
+            model(prompt(1, 1, seed=3), past_key_values=c)
+        assert [c.get_mask_sizes(1, 0) for c in (cache, ref)] == [ref.get_mask_sizes(1, 0)] * 2
+        if not policy:  # a quantized sliding layer holds whole blocks around the window
+            assert cache.layers[0].kv()[0].shape[2] == ref.layers[0].keys.shape[2] == 7  # trimmed to window - 1
+        cache.activate_past_recording()  # still a method
+        assert cache.is_recording_past(0)

@@ -141,10 +141,10 @@ class TieredCache(Cache):
         self._each("reset")
 
     def activate_past_recording(self) -> None:
-        self._each("record_past", True)
+        self._each("set_recording", True)
 
     def is_recording_past(self, layer_idx: int) -> bool:
-        return bool(getattr(self._layer(layer_idx), "recording", False))
+        return self._layer(layer_idx).record_past
 
     def close(self) -> None:
         """Release every buffer and file now (also done when the cache is garbage-collected)."""

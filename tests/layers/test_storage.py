@@ -97,7 +97,7 @@ def test_crop_matches_transformers(seed):
 @pytest.mark.parametrize("window", [2, 6])
 def test_sliding_rollback_with_recording(window):
     ours, ref = pair("sliding", window)
-    ours.record_past(True)
+    ours.set_recording(True)
     ref.activate_past_recording()
     for step in range(25):
         t = 1 + step % 4
@@ -115,7 +115,7 @@ def test_sliding_crop_past_window_without_recording_is_refused():
     layer = SlidingLayer(3)
     layer.update(*kv(10))
     before = [t.clone() for t in layer.kv()]
-    with pytest.raises(CacheError, match="record_past"):
+    with pytest.raises(CacheError, match="activate_past_recording"):
         layer.crop(2)
     assert layer.seq_length() == 10 and all(torch.equal(a, b) for a, b in zip(before, layer.kv()))
     layer.crop(0)  # trimming is always allowed

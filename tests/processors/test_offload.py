@@ -84,10 +84,10 @@ def test_bit_exact_sequence(storage, prefetch, device, dtype, tmp_path):
     pair.step(7, dtype, 2, gen)  # prefill
     for _ in range(4):
         pair.step(1, dtype, 2, gen)
-    pair.op("record_past", True)
+    pair.op("set_recording", True)
     pair.step(3, dtype, 2, gen)  # a speculative block ...
     pair.op("crop", 2)  # ... partly rejected
-    pair.op("record_past", False)
+    pair.op("set_recording", False)
     pair.step(1, dtype, 2, gen)
     pair.op("reorder", torch.tensor([1, 0]))
     pair.step(1, dtype, 2, gen)

@@ -106,12 +106,12 @@ def test_update_matches_reference(config, kind, dtype):
 @pytest.mark.parametrize("n", [1, 3, 6, 9], ids=lambda n: f"crop{n}")
 def test_crop_then_continue(config, kind, n):
     layer = make(config, kind)
-    layer.record_past(True)
+    layer.set_recording(True)
     ref = Reference(layer, kind.get("window"))
     run(layer, ref, STEPS[:6], torch.float32)
     layer.crop(n)
     ref.crop(n)
-    layer.record_past(False)
+    layer.set_recording(False)
     assert layer.seq_length() == ref.k.shape[2]
     if kind.get("window") is None:
         check(layer.kv(), (ref.k, ref.v))
@@ -206,6 +206,6 @@ def test_sliding_crop_past_window_raises_and_keeps_state():
     layer = make(CONFIGS[1].values[0], {"window": 6})
     run(layer, Reference(layer, 6), [30, 1, 1], torch.float32)
     before = [t.clone() for t in layer.kv()]
-    with pytest.raises(CacheError, match="record_past"):
+    with pytest.raises(CacheError, match="activate_past_recording"):
         layer.crop(20)
     assert layer.seq_length() == 32 and all(torch.equal(a, b) for a, b in zip(layer.kv(), before))

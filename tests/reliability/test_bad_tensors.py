@@ -134,7 +134,7 @@ def test_crop_beyond_the_window_refused_by_whole_cache(chain, tier_dir):
             ref.update(k, v)
             ref.sync_packed()
     before = snapshot(cache)
-    with pytest.raises(CacheError, match="^layer 1: .*record_past"):
+    with pytest.raises(CacheError, match="^layer 1: .*activate_past_recording"):
         cache.crop(-20)
     assert same_snapshot(before, snapshot(cache)), "a refused crop must leave every layer as it was"
     cache.close()

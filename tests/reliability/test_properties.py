@@ -117,7 +117,7 @@ class Driver:
             self.cache.activate_past_recording()
         else:
             for layer in self.cache.layers:
-                layer.record_past(False)
+                layer.record_past = False  # what transformers' generate does after a deferred stop
         for ref in self.refs:
             ref.record_past(on)
 

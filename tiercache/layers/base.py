@@ -35,10 +35,15 @@ Required
 
 Optional hooks (no-op defaults here)
     prefetch()          start bringing the layer to the compute device (offload)
-    record_past(on)     keep tokens a sliding layer would drop until the next crop (assisted decoding)
+    set_recording(on)   keep tokens a sliding layer would drop until the next crop (assisted decoding)
     close()             release files and buffers for good
 
 Class attributes: ``is_sliding``, ``is_compileable``, ``max_length()`` (-1 when unbounded).
+
+``record_past`` is transformers' layer attribute for that mode: reading it says whether the layer
+records (``recording``, False unless a layer defines it), and assigning it calls
+``set_recording`` (transformers' generate sets ``layer.record_past = False`` on each layer when
+it hands a cache back after a deferred stop).
 """
 
 from __future__ import annotations
@@ -98,8 +103,17 @@ class KVLayer(ABC):
     def prefetch(self) -> None:
         """Hook: begin moving this layer to the compute device ahead of use."""
 
-    def record_past(self, on: bool) -> None:
+    def set_recording(self, on: bool) -> None:
         """Hook: keep tokens that would slide out until the next ``crop``."""
+
+    @property
+    def record_past(self) -> bool:
+        """Whether the layer keeps tokens for a rollback (transformers' attribute; assignable)."""
+        return bool(getattr(self, "recording", False))
+
+    @record_past.setter
+    def record_past(self, on: bool) -> None:
+        self.set_recording(bool(on))
 
     def close(self) -> None:
         """Hook: release files and buffers for good."""

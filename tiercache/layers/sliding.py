@@ -2,7 +2,7 @@
 
 It follows transformers' sliding-window cache contract exactly, so outputs are identical to
 ``DynamicCache``: an update of ``T`` tokens returns the last ``window - 1 + T`` tokens (held plus
-new), then only the last ``window - 1`` are kept. With ``record_past(True)`` (assisted decoding)
+new), then only the last ``window - 1`` are kept. With ``set_recording(True)`` (assisted decoding)
 tokens are kept until the next ``crop``, which may then roll back and trims to the window.
 
 Memory: a buffer of about ``window + min(window, CHUNK)`` tokens (at least one CHUNK); when its end is reached the kept tokens
@@ -73,7 +73,7 @@ class SlidingLayer(KVLayer):
     def max_length(self) -> int:
         return self.window
 
-    def record_past(self, on: bool) -> None:
+    def set_recording(self, on: bool) -> None:
         self.recording = bool(on)
         if not on:
             self._trim()
@@ -84,7 +84,7 @@ class SlidingLayer(KVLayer):
         if held - n < min(keep, self.seen - n):
             raise CacheError(
                 f"cannot crop {n} tokens from a sliding layer (window {self.window}) that kept only {held}: "
-                "tokens before the window are gone; call record_past(True) (activate_past_recording) before "
+                "tokens before the window are gone; call activate_past_recording() before "
                 "updates you may want to roll back"
             )
 

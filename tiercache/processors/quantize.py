@@ -42,7 +42,7 @@ Storage kinds
   dequantization).
 - sliding (``window``): transformers' sliding contract exactly, like ``SlidingLayer`` (an update
   of ``T`` tokens returns the last ``window - 1 + T``); the store is a ``SlidingLayer`` of
-  ``ceil((window - 1) / group_size) + 1`` blocks, enough to cover the window. ``record_past``
+  ``ceil((window - 1) / group_size) + 1`` blocks, enough to cover the window. ``set_recording``
   reaches the store.
 - static (``max_length``): supported. The store is a ``StaticLayer`` preallocated for
   ``max_length // group_size`` blocks; an update past ``max_length`` raises ``CacheError``.
@@ -225,15 +225,15 @@ class Quantize(KVLayer):
         if drop > have:
             raise CacheError(
                 f"cannot crop {n} tokens: {cut} of them are in quantized blocks but only {have} blocks "
-                f"({have * self.g} tokens) are kept; tokens before the window are gone; call record_past(True) "
-                "(activate_past_recording) before updates you may want to roll back"
+                f"({have * self.g} tokens) are kept; tokens before the window are gone; call "
+                "activate_past_recording() before updates you may want to roll back"
             )
         try:
             self.store.validate_crop(drop)
         except CacheError:  # the store speaks in blocks; say it in tokens
             raise CacheError(
                 f"cannot crop {n} tokens from a quantized sliding layer (window {self.window}): the blocks "
-                "before the window are gone; call record_past(True) (activate_past_recording) before "
+                "before the window are gone; call activate_past_recording() before "
                 "updates you may want to roll back"
             ) from None
         return drop, keep, blocks, have
@@ -297,8 +297,12 @@ class Quantize(KVLayer):
     def prefetch(self) -> None:
         self.store.prefetch()
 
-    def record_past(self, on: bool) -> None:
-        self.store.record_past(on)
+    def set_recording(self, on: bool) -> None:
+        self.store.set_recording(on)
+
+    @property
+    def recording(self) -> bool:
+        return self.store.record_past
 
     def close(self) -> None:
         self.store.close()
