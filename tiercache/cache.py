@@ -45,9 +45,11 @@ class TieredCache(Cache):
         policy = load_policy(policy)
         model = model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
         if policy.auto:
-            from tiercache.planner import choose
+            from tiercache.planner import check_sizes, choose
 
-            policy = choose(policy, model, batch_size, context_length or policy.max_length or 4096)
+            context = context_length if context_length is not None else (policy.max_length or 4096)
+            check_sizes(batch_size, context)
+            policy = choose(policy, model, batch_size, context)
         layers, shared = build_layers(policy.resolve(model))
         return cls(layers, policy, model, shared)
 
@@ -121,6 +123,11 @@ class TieredCache(Cache):
     # -- whole-cache operations ----------------------------------------------------------------
     def crop(self, max_length: int) -> None:
         """transformers' convention: negative removes that many tokens, positive keeps that many."""
+        if not isinstance(max_length, int) or isinstance(max_length, bool):
+            raise CacheError(
+                f"crop(max_length) needs an int (negative: remove that many tokens; positive: keep that many; "
+                f"0: trim sliding layers after a rollback), got {max_length!r}"
+            )
         seen = self.get_seq_length()
         remove = -max_length if max_length < 0 else max(seen - max_length, 0) if max_length > 0 else 0
         # All or nothing: every layer validates first; sliding layers (the only ones that may
@@ -138,7 +145,10 @@ class TieredCache(Cache):
         self._each("repeat_interleave", repeats)
 
     def reset(self) -> None:
+        """Empty every layer and free the shared buffers (workspace, prefetch slots): ``nbytes()`` is {} after."""
         self._each("reset")
+        if self._shared is not None:
+            self._shared.close()  # re-created on demand
 
     def activate_past_recording(self) -> None:
         self._each("set_recording", True)
@@ -173,7 +183,10 @@ class TieredCache(Cache):
 
     # -- internals -------------------------------------------------------------------------------
     def _layer(self, layer_idx: int) -> KVLayer:
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
+            raise CacheError(f"layer_idx must be an int in 0..{len(self.layers) - 1}, got {layer_idx!r} "
+                             f"({type(layer_idx).__name__})")
+        if not 0 <= layer_idx < len(self.layers):
             raise CacheError(
                 f"layer_idx {layer_idx!r} is out of range: this cache was built for {len(self.layers)} layers "
                 f"({self.model.name})"

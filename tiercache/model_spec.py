@@ -69,13 +69,13 @@ class ModelSpec:
         if hasattr(config, "get_text_config"):
             config = config.get_text_config(decoder=True)
         per_layer = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else None
+        name = type(config).__name__
         n = getattr(config, "num_hidden_layers", None)
         heads = _read(config, "num_attention_heads", per_layer)
-        if not isinstance(n, int) or not isinstance(heads, int):
-            raise PolicyError(
-                f"model config {type(config).__name__} lacks num_hidden_layers / num_attention_heads: not a decoder config"
-            )
-        shapes = [_kv_shape(c) for c in per_layer] if per_layer else [_kv_shape(config)] * n
+        if n is None or heads is None:
+            raise PolicyError(f"model config {name} lacks num_hidden_layers / num_attention_heads: not a decoder config")
+        _positive(n, "num_hidden_layers", name)
+        shapes = [_kv_shape(c, name) for c in per_layer] if per_layer else [_kv_shape(config, name)] * n
         kv_heads, head_dim, value_dim = shapes[0]
         window = _read(config, "sliding_window", per_layer)
         types = getattr(config, "layer_types", None)
@@ -85,6 +85,8 @@ class ModelSpec:
             window = window or chunk
             types = [kind] * n
         types = tuple(types)
+        if len(types) != n:
+            raise PolicyError(f"model config {name}: layer_types has {len(types)} entries for num_hidden_layers={n}")
         unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention", "chunked_attention")})
         if unknown:
             raise PolicyError(
@@ -93,6 +95,8 @@ class ModelSpec:
             )
         if any(t != "full_attention" for t in types) and not window:
             window = getattr(config, "attention_chunk_size", None)
+        if any(t != "full_attention" for t in types):
+            _positive(window, "sliding_window (its sliding / chunked layers need a window)", name)
         try:
             sharing = getattr(config, "kv_sharing_modes", None)
         except ValueError as e:  # transformers validates the sharing layout when asked
@@ -114,16 +118,29 @@ class ModelSpec:
         )
 
 
-def _kv_shape(c) -> tuple[int, int, int]:
+def _kv_shape(c, name: str) -> tuple[int, int, int]:
     """``(kv_heads, key_dim, value_dim)`` a decoder layer with config ``c`` passes to the cache."""
-    heads = c.num_attention_heads
+    heads = _positive(c.num_attention_heads, "num_attention_heads", name)
     rank, rope = getattr(c, "kv_lora_rank", None), getattr(c, "qk_rope_head_dim", None)
     if isinstance(rank, int) and isinstance(rope, int):  # MLA: the compressed latents, one "head"
-        return 1, rank, rope
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return 1, _positive(rank, "kv_lora_rank", name), _positive(rope, "qk_rope_head_dim", name)
+    head_dim = getattr(c, "head_dim", None)
+    if head_dim is None:
+        hidden = getattr(c, "hidden_size", None)
+        if hidden is None:
+            raise PolicyError(f"model config {name} has neither head_dim nor hidden_size: cannot tell the head size")
+        head_dim = _positive(hidden, "hidden_size", name) // heads
+    head_dim = _positive(head_dim, "head_dim", name)
     if getattr(c, "multi_query", False) and not getattr(c, "new_decoder_architecture", False):
         return 1, head_dim, head_dim
-    return getattr(c, "num_key_value_heads", None) or heads, head_dim, head_dim
+    kv = getattr(c, "num_key_value_heads", None)
+    return (heads if kv is None else _positive(kv, "num_key_value_heads", name)), head_dim, head_dim
+
+
+def _positive(value, field: str, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PolicyError(f"model config {name}: {field} must be a positive integer, got {value!r}")
+    return value
 
 
 def _read(config, name: str, per_layer):

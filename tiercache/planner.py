@@ -98,13 +98,19 @@ def plan(policy, model, batch_size: int = 1, context_length: int = 4096) -> Plan
     policy = load_policy(policy)
     spec = model if isinstance(model, ModelSpec) else (
         resolve_model(model) if isinstance(model, (str, Path)) else ModelSpec.from_config(model))
-    if batch_size < 1 or context_length < 1:
-        raise PolicyError(f"plan: batch_size and context_length must be >= 1, got {batch_size} and {context_length}")
+    check_sizes(batch_size, context_length)
     if policy.auto:
         from tiercache.ladder import walk
 
         return walk(policy, spec, batch_size, context_length)
     return plan_concrete(policy, spec, batch_size, context_length)
+
+
+def check_sizes(batch_size, context_length) -> None:
+    """``PolicyError`` unless both are ints >= 1."""
+    for name, v in (("batch_size", batch_size), ("context_length", context_length)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise PolicyError(f"plan: {name} must be an integer >= 1, got {v!r}")
 
 
 def choose(policy, model, batch: int = 1, context: int = 4096) -> Policy:
@@ -148,10 +154,15 @@ def tier_bytes(nbytes: dict, device) -> dict[str, int]:
 # -- models ----------------------------------------------------------------------------------------
 
 def resolve_model(model: str) -> ModelSpec:
-    """A preset name (any case), a local dir / config.json (read as JSON), or a hub id."""
+    """A preset name (any case), the built-in tiny model (``tiny``, ``tiny-random``), a local dir /
+    config.json (read as JSON), or a hub id."""
     key = str(model).lower()
     if key in PRESETS:
         return PRESETS[key]
+    if key in ("tiny", "tiny-random"):  # tiercache.bench.tiny: both share one config
+        from tiercache.bench.train import tiny_config
+
+        return ModelSpec.from_config(tiny_config())
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -160,6 +171,8 @@ def resolve_model(model: str) -> ModelSpec:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise PolicyError(f"model config {str(path)!r} is not readable JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise PolicyError(f"model config {str(path)!r} must be a JSON object, got {type(data).__name__}")
         return ModelSpec.from_config(_JsonConfig(data, str(path.parent)))
     try:
         from transformers import AutoConfig

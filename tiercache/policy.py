@@ -151,6 +151,8 @@ class Policy:
             where = f"policy.overrides[{i}]"
             if (o.layers is None) == (o.layer_type is None):
                 raise PolicyError(f"{where}: give exactly one of 'layers' (indices) or 'layer_type', got {_to_plain(o)}")
+            if o.layers is not None and not o.layers:
+                raise PolicyError(f"{where}.layers: an empty list names no layer; give indices such as [0, -1]")
             if o.layer_type is not None and o.layer_type not in KNOWN_LAYER_TYPES:
                 raise PolicyError(f"{where}.layer_type: unknown layer type {o.layer_type!r}; allowed: {', '.join(KNOWN_LAYER_TYPES)}")
 
@@ -191,16 +193,47 @@ def load_policy(source: "str | Path | dict | Policy") -> Policy:
         return source
     if isinstance(source, dict):
         return Policy.from_dict(source)
+    if not isinstance(source, (str, Path)):
+        raise PolicyError(f"a policy is a YAML file path, a dict or a Policy; got {type(source).__name__} {source!r}")
     import yaml
 
     path = Path(source)
+    if path.is_dir():
+        raise PolicyError(f"policy file {str(path)!r} is a directory; give a YAML file (e.g. configs/default.yaml)")
     if not path.is_file():
         raise PolicyError(f"policy file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PolicyError(f"policy file {str(path)!r} cannot be read as UTF-8 text: {e}") from None
+    try:
+        data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise PolicyError(f"policy file {str(path)!r} is not valid YAML: {e}") from None
     return Policy.from_dict(data if data is not None else {})
+
+
+def _unique_key_loader():
+    """A yaml SafeLoader that refuses a key given twice in one mapping (YAML would keep the last)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    hash(key)
+                except TypeError:
+                    continue  # the base loader refuses an unhashable key with its own message
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice in one mapping; keep one", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
 
 
 # -- the generic loader --------------------------------------------------------------------------
@@ -318,3 +351,6 @@ def _check_offload(o: OffloadPolicy, where: str) -> None:
         raise PolicyError(f"{where}.prefetch: must be >= 0 (layers fetched ahead), got {o.prefetch}")
     if o.path is not None and o.device != "disk":
         raise PolicyError(f"{where}.path: only used with device: disk, got device {o.device!r}")
+    if o.path is not None and not o.path.strip():
+        raise PolicyError(f"{where}.path: an empty path; give a directory for the cache files, or omit it for "
+                          "the system temp directory")

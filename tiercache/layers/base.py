@@ -137,7 +137,10 @@ def check_batch_indices(indices: torch.Tensor, batch: int, what: str) -> torch.T
     if idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise CacheError(f"{what}: expected a 1-D integer index tensor, got shape {tuple(idx.shape)} {idx.dtype}")
     if idx.numel() and (int(idx.min()) < -batch or int(idx.max()) >= batch):
-        raise CacheError(f"{what}: indices must lie in [0, {batch}), got {idx.tolist()}")
+        raise CacheError(f"{what}: indices must lie in [-{batch}, {batch}) (batch {batch}), got {idx.tolist()}")
+    if what == "reorder" and idx.numel() != batch:
+        raise CacheError(f"reorder: a beam reorder keeps the batch of {batch}, got {idx.numel()} indices; "
+                         "use batch_select_indices / batch_repeat_interleave to change it")
     return idx.long() % max(batch, 1)
 
 

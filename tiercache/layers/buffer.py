@@ -67,7 +67,7 @@ class Buffer:
         if first:
             self.spec = KVSpec.of(key, value)
         t = key.shape[2]
-        if self.end + t > self.capacity:
+        if self.keys is None or self.end + t > self.capacity:  # (a first update may have no tokens)
             try:
                 self._regrow(len(self) + t + slack)
             except Exception:

@@ -84,10 +84,7 @@ class StaticLayer(KVLayer):
     def reorder(self, beam_idx: torch.Tensor) -> None:
         if self.spec is None:
             return
-        idx = check_batch_indices(beam_idx, self.spec.batch, "reorder")
-        if idx.numel() != self.spec.batch:
-            raise CacheError(f"reorder: static storage keeps batch {self.spec.batch}, got {idx.numel()} indices")
-        idx = idx.to(self.keys.device)
+        idx = check_batch_indices(beam_idx, self.spec.batch, "reorder").to(self.keys.device)
         self.keys.copy_(self.keys.index_select(0, idx))
         self.values.copy_(self.values.index_select(0, idx))
 
@@ -124,11 +121,20 @@ class StaticLayer(KVLayer):
 
     def _allocate(self, spec: KVSpec) -> None:
         s = spec
-        keys = self.tier.empty((s.batch, s.heads, self.limit, s.key_dim), s.dtype, s.device)
+        keys = None
         try:
+            keys = self.tier.empty((s.batch, s.heads, self.limit, s.key_dim), s.dtype, s.device)
             values = self.tier.empty((s.batch, s.heads, self.limit, s.value_dim), s.dtype, s.device)
-        except Exception:
-            self.tier.free(keys)
+        except Exception as e:
+            if keys is not None:
+                self.tier.free(keys)
+            if isinstance(e, RuntimeError):  # out of memory (torch.OutOfMemoryError is one), too large
+                size = s.batch * s.heads * self.limit * (s.key_dim + s.value_dim) * torch.empty((), dtype=s.dtype).element_size()
+                raise CacheError(
+                    f"static storage: cannot allocate max_length={self.limit} tokens ({size} bytes for batch "
+                    f"{s.batch}, {s.heads} kv heads) on {s.device}: {str(e).splitlines()[0]}; lower max_length "
+                    "or use storage: full"
+                ) from None
             raise
         # assigned only once both allocations succeeded: a failure leaves the layer as it was
         self.keys, self.values = keys.zero_(), values.zero_()

@@ -187,7 +187,7 @@ class Offload(KVLayer):
         ck, cv = row_stride(hk), row_stride(hv)
         # One flat copy per tensor when the host rows allow it; an update needing more room than
         # the host rows have regrows the mirror on the device (cheap next to the bus).
-        flat = ck is not None and ck == cv and ck >= self.pad
+        flat = ck is not None and ck == cv and ck >= self.pad and hk.shape[0] * hk.shape[1] > 0
         cap = ck if flat else max(capacity_for(s + room), self.pad)
         return _layout_bytes(hk, hv, cap), (hk, hv, cap, flat)
 

@@ -24,6 +24,9 @@ G = 64``: a 3000-token prompt packs 46 blocks and keeps 56; decoding then holds 
 The residual is kept in exactly-sized tensors (``nbytes()`` is what is held): an update copies
 at most ``max(R, G)`` tokens, bounded work, never the history. Crops move the phase (below).
 
+Autograd: quantization has no useful gradient, so updates run under ``torch.no_grad()`` and
+return tensors without history; the cache works the same inside or outside ``torch.no_grad()``.
+
 Update. Refuses non-finite keys/values (``CacheError``, the layer unchanged): one NaN would
 poison the scale of a whole group. The check reads the new tokens only (one max-abs per K and
 V, then one host sync on a GPU). Returns ``[B, H, S, D]``: the blocks stored before this
@@ -155,6 +158,7 @@ class Quantize(KVLayer):
         self.stored = False  # the store has had an update (knows batch, dtype, device)
 
     # -- the protocol ---------------------------------------------------------------------------
+    @torch.no_grad()
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         spec = KVSpec.of(key, value) if self.spec is None else self.spec
         spec.check(key, value)
@@ -282,6 +286,7 @@ class Quantize(KVLayer):
         self.residual.clear()
         self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
 
+    @torch.no_grad()
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Fresh tensors (never the workspace): callers may keep them."""
         if self.spec is None or (not len(self.residual) and self._held_blocks() is None):
@@ -305,10 +310,12 @@ class Quantize(KVLayer):
         return self.store.record_past
 
     def close(self) -> None:
+        """Release everything; the layer is empty afterwards (as after ``reset``)."""
         self.store.close()
         self.residual.clear()
         for codec in self.codecs or ():
             codec.forget()
+        self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
 
     # -- internals ------------------------------------------------------------------------------
     def _held_blocks(self):
