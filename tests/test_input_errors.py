@@ -198,5 +198,5 @@ def test_a_config_json_must_be_an_object(tmp_path):
 def test_the_builtin_tiny_model_plans_offline():
     spec = resolve_model("tiny")
     assert (spec.num_layers, spec.kv_shape(0)) == (4, (2, 64, 64))
-    assert resolve_model("tiny-random") == spec
+    assert resolve_model("tiny-random").kv_shape(0) == spec.kv_shape(0) and spec.name == "tiny"
     assert ModelSpec.from_config(CONFIG).kv_shape(1) == (2, 16, 16)

@@ -6,7 +6,11 @@
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
 
 ``--model`` takes ``tiny`` (the built-in trained tiny model, no network), ``tiny-random``, a
-preset shape for ``plan`` (``Llama-3-8B`` ...), a local path or a hub id.
+preset shape for ``plan`` / ``validate`` (``Llama-3-8B`` ...), a local path or a hub id.
+``generate`` needs weights, so it takes no preset.
+
+Errors: ``tiercache <command>: error: ...`` on stderr and exit 1 (``validate`` prints the
+PolicyError on stdout, as its answer); malformed flag values are argparse's usage errors (exit 2).
 """
 
 from __future__ import annotations
@@ -18,15 +22,46 @@ import time
 from tiercache.errors import CacheError, PolicyError
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {text!r}") from None
+    if n < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+    return n
+
+
+def _error(command: str, message: str) -> int:
+    print(f"tiercache {command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def model_spec(name: str):
+    """The ModelSpec ``plan`` and ``validate`` use (``tiercache.planner.resolve_model``: the built-in
+    tiny models offline, presets, a local config, a hub id)."""
+    from tiercache.planner import resolve_model
+
+    return resolve_model(name)
+
+
 def _validate(args) -> int:
     from tiercache.policy import load_policy
 
     try:
         policy = load_policy(args.policy)
         if args.model:
-            from tiercache.planner import resolve_model
-
-            policy.resolve(resolve_model(args.model))
+            policy.resolve(model_spec(args.model))
     except PolicyError as e:
         print(f"{args.policy}: {e}")
         return 1
@@ -35,32 +70,41 @@ def _validate(args) -> int:
 
 
 def _plan(args) -> int:
-    from tiercache.planner import main_plan
+    """Like ``tiercache.planner.main_plan``, with the model resolved by ``model_spec`` (tiny names too)."""
+    from tiercache.planner import plan
+    from tiercache.policy import load_policy
 
     try:
-        return main_plan(args.policy, args.model, args.context, args.batch)
+        p = plan(load_policy(args.policy), model_spec(args.model), args.batch, args.context)
     except PolicyError as e:
-        print(f"error: {e}")
-        return 1
+        return _error("plan", str(e))
+    print(p.table())
+    return 0 if p.fits else 1
 
 
 def _generate(args) -> int:
     import torch
 
-    from tiercache.bench.tiny import ByteTokenizer, load_model
+    from tiercache.bench.tiny import ByteTokenizer, ModelLoadError, load_model
     from tiercache.cache import TieredCache
 
+    if not args.prompt:
+        return _error("generate", "--prompt is empty; give the text to continue (at least one character)")
     torch.manual_seed(args.seed)
-    model, tok = load_model(args.model)
+    try:
+        model, tok = load_model(args.model)
+    except ModelLoadError as e:
+        return _error("generate", str(e))
     if isinstance(tok, ByteTokenizer):
-        ids = torch.tensor([tok.encode(args.prompt)])  # [1, T]
+        ids = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)  # [1, T]
     else:
         ids = tok(args.prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        return _error("generate", f"--prompt {args.prompt!r} encodes to no tokens with this model's tokenizer")
     try:
         cache = TieredCache.from_policy(args.policy, model.config, context_length=ids.shape[1] + args.max_new_tokens)
     except PolicyError as e:
-        print(f"error: {e}")
-        return 1
+        return _error("generate", str(e))
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, past_key_values=cache, max_new_tokens=args.max_new_tokens,
@@ -87,17 +131,17 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="check a policy file")
     v.add_argument("policy")
-    v.add_argument("--model", help="also check overrides against this model (preset, path or hub id)")
+    v.add_argument("--model", help="also check overrides against this model (tiny, tiny-random, preset, path or hub id)")
     pl = sub.add_parser("plan", help="bytes per tier of a policy for a model, context and batch")
     pl.add_argument("policy")
-    pl.add_argument("--model", required=True)
-    pl.add_argument("--context", type=int, required=True)
-    pl.add_argument("--batch", type=int, default=1)
+    pl.add_argument("--model", required=True, help="tiny, tiny-random, a preset (Llama-3-8B ...), a path or hub id")
+    pl.add_argument("--context", type=positive_int, required=True)
+    pl.add_argument("--batch", type=positive_int, default=1)
     g = sub.add_parser("generate", help="generate text with a policy")
-    g.add_argument("--model", default="tiny")
+    g.add_argument("--model", default="tiny", help="tiny (default), tiny-random, a local model directory or a hub id")
     g.add_argument("--policy", default=None, help="policy YAML (default: full precision)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=positive_int, default=64)
     g.add_argument("--sample", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     sub.add_parser("bench", help="the trade-off benchmark (flags: tiercache bench --help)", add_help=False)
@@ -114,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"validate": _validate, "plan": _plan, "generate": _generate}[args.command](args)
     except CacheError as e:
-        print(f"error: {e}")
-        return 1
+        return _error(args.command, str(e))
 
 
 if __name__ == "__main__":

@@ -159,10 +159,12 @@ def resolve_model(model: str) -> ModelSpec:
     key = str(model).lower()
     if key in PRESETS:
         return PRESETS[key]
-    if key in ("tiny", "tiny-random"):  # tiercache.bench.tiny: both share one config
-        from tiercache.bench.train import tiny_config
+    if key in ("tiny", "tiny-random"):  # tiercache.bench.tiny's built-in models (no network)
+        from dataclasses import replace
 
-        return ModelSpec.from_config(tiny_config())
+        from tiercache.bench.tiny import model_config
+
+        return replace(ModelSpec.from_config(model_config(key)), name=key)
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"

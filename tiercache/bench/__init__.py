@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; returns the exit status (0, or 1 when every setup failed).
+    """Run the benchmark; returns the exit status (0; 1 when no setup completed or the arguments cannot run here, a BenchError; 2 for malformed flags).
 
     Flags (all optional; with none, the demo runs: full precision, int4 KIVI, int2 KIVI and a
     CPU-offloaded policy against transformers' DynamicCache and QuantizedCache (quanto, hqq) on

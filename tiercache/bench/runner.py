@@ -10,7 +10,10 @@ Interface
   bytes, or process RSS on CPU) and ``memory_kind``, ``ppl``, ``ppl_delta`` (vs the reference),
   ``top1_agreement`` (teacher-forced argmax vs the reference's), ``greedy_agreement`` and ``greedy_prefix`` (free-running greedy
   tokens vs the reference's), ``seconds``; ``note`` holds the error if the setup failed.
-  ``tick(n)`` is called as decode steps complete (for a progress bar).
+  ``tick(n)`` is called as decode steps complete (for a progress bar). ``ValueError`` (before
+  anything runs) unless ``context``, ``new_tokens`` and ``repeats`` are >= 1 and ``ids`` has at
+  least one token after the prompt.
+- ``completed(row) -> bool``: the row has every measurement (not skipped, nothing failed).
 
 ``ids`` is ``[T]``: the first ``context`` tokens are the prompt; the rest is the continuation
 scored by teacher forcing. Each setup is warmed up (a 256-token prefill and a few decode steps,
@@ -84,8 +87,19 @@ def _memory(device) -> tuple[int, str]:
     return psutil.Process().memory_info().rss, "rss"
 
 
+def completed(row: dict) -> bool:
+    """True when ``measure`` got every measurement of the row (the setup ran and nothing failed)."""
+    return all(k in row for k in ("decode_tok_s", "cache_total", "ppl", "greedy_prefix"))
+
+
 def measure(setup: Setup, model, ids: torch.Tensor, context: int, new_tokens: int, ref: Reference,
             repeats: int = 1, tick=None) -> dict:
+    for name, value in (("context", context), ("new_tokens", new_tokens), ("repeats", repeats)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"measure: {name} must be an integer >= 1, got {value!r}")
+    if ids.numel() <= context:
+        raise ValueError(f"measure: ids has {ids.numel()} tokens; it needs more than context={context} "
+                         "(the tokens after the prompt are scored)")
     row = {"name": setup.name, "kind": setup.kind, "source": setup.source, "note": setup.note}
     if setup.make is None:
         return row
@@ -99,7 +113,7 @@ def measure(setup: Setup, model, ids: torch.Tensor, context: int, new_tokens: in
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         prefill_s = decode_s = float("inf")
-        for _ in range(max(1, repeats)):  # the fastest of each phase is kept
+        for _ in range(repeats):  # the fastest of each phase is kept
             cache = setup.make()
             tokens, p_s, d_s = greedy(model, cache, ids[:context], new_tokens, tick)
             prefill_s, decode_s = min(prefill_s, p_s), min(decode_s, d_s)

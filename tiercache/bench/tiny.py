@@ -4,12 +4,17 @@ Interface
 - ``load_model(name, device="cpu", dtype=torch.float32) -> (model, tokenizer)``: ``"tiny"`` (the
   trained tiny byte-level Llama shipped in ``tiercache/bench/data/``), ``"tiny-random"`` (the same
   shape, randomly initialised, seed 0), or a local path / hub id (``AutoModelForCausalLM``).
+  ``ModelLoadError`` (a ``ValueError``) when the name is none of these (a planning preset such as
+  ``Llama-3-8B``, a missing path, an unreachable hub id), saying what is accepted.
+- ``TINY_MODELS``: the built-in names; ``model_config(name)``: the transformers config of one,
+  without loading or training weights (what ``plan`` / ``validate`` need).
 - ``load_tiny(train_if_missing=True) -> model``: checks the weights' sha256 against
   ``tiny-llama.json`` (``ChecksumError`` on a mismatch); trains them first (progress bar, cached in
   ``~/.cache/tiercache``) when the shipped file is missing.
 - ``ByteTokenizer``: ``encode(text) -> list[int]``, ``decode(ids) -> str``, ids 0..255 are bytes.
 - ``eval_ids(tokenizer, n) -> torch.Tensor``: ``[n]`` ids of held-out stdlib text (files never
-  trained on), the same for every run.
+  trained on), the same for every run; ``HeldoutTooShort`` (a ``ValueError``, with ``.available``)
+  when the text gives fewer than ``n`` tokens.
 """
 
 from __future__ import annotations
@@ -28,8 +33,23 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tiercache" / "tiny"
 
 
+TINY_MODELS = ("tiny", "tiny-random")
+
+
 class ChecksumError(RuntimeError):
     """The weights file does not match the sha256 recorded next to it."""
+
+
+class ModelLoadError(ValueError):
+    """A model name that names nothing loadable here; the message says what is accepted."""
+
+
+class HeldoutTooShort(ValueError):
+    """The held-out text gives fewer tokens than asked; ``available`` is how many it gives."""
+
+    def __init__(self, available: int, asked: int):
+        super().__init__(f"held-out text has only {available} tokens, {asked} asked")
+        self.available, self.asked = available, asked
 
 
 class ByteTokenizer:
@@ -50,10 +70,17 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _weights_dir(train_if_missing: bool, progress: bool) -> Path:
+def _found_weights_dir() -> Path | None:
     for d in (DATA_DIR, CACHE_DIR):
         if (d / WEIGHTS).is_file() and (d / META).is_file():
             return d
+    return None
+
+
+def _weights_dir(train_if_missing: bool, progress: bool) -> Path:
+    found = _found_weights_dir()
+    if found is not None:
+        return found
     if not train_if_missing:
         raise FileNotFoundError(f"tiny model weights not found in {DATA_DIR} or {CACHE_DIR}; run bench/train_tiny.py")
     train(CACHE_DIR, progress=progress)
@@ -86,8 +113,26 @@ def tiny_random(seed: int = 0):
         return LlamaForCausalLM(tiny_config()).eval()
 
 
+def model_config(name: str):
+    """The config of a built-in model (``TINY_MODELS``), read without loading or training weights."""
+    from transformers import LlamaConfig
+
+    if name not in TINY_MODELS:
+        raise ModelLoadError(f"{name!r} is not a built-in model; built-in: {', '.join(TINY_MODELS)}")
+    found = _found_weights_dir() if name == "tiny" else None
+    return LlamaConfig.from_dict(json.loads((found / META).read_text())["config"]) if found else tiny_config()
+
+
+_ACCEPTED = ("'tiny' (the built-in trained model), 'tiny-random', a local model directory, "
+             "or a hub id (needs network or a local hub cache)")
+
+
 def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """``(model, tokenizer)`` for ``"tiny"``, ``"tiny-random"`` or a local path / hub id."""
+    """``(model, tokenizer)`` for ``"tiny"``, ``"tiny-random"`` or a local path / hub id.
+
+    ``ModelLoadError`` when ``name`` is none of these: a planning preset (shape only, no
+    weights), a path that does not exist, or a directory / hub id transformers cannot load.
+    """
     if name == "tiny":
         model, tok = load_tiny(), ByteTokenizer()
     elif name == "tiny-random":
@@ -95,9 +140,27 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
-        tok = AutoTokenizer.from_pretrained(name)
+        from tiercache.model_spec import PRESETS
+
+        if not str(name).strip():
+            raise ModelLoadError(f"model name is empty; use {_ACCEPTED}")
+        if str(name).lower() in PRESETS and not Path(name).exists():
+            raise ModelLoadError(f"model {name!r} is a preset shape for planning (tiercache plan / validate), "
+                                 f"with no weights to run; use {_ACCEPTED}")
+        if not Path(name).exists() and _path_like(str(name)):  # cannot be a hub id: say so at once
+            raise ModelLoadError(f"model {name!r}: no such file or directory; use {_ACCEPTED}")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
+            tok = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as e:  # transformers' "not found / not reachable / not a model" errors
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelLoadError(f"model {name!r} could not be loaded ({first}); use {_ACCEPTED}") from e
     return model.to(device=device, dtype=dtype), tok
+
+
+def _path_like(name: str) -> bool:
+    """A name that only a local path could be: a hub id is ``name`` or ``namespace/name``."""
+    return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
 
 
 def eval_ids(tokenizer, n: int) -> torch.Tensor:
@@ -109,5 +172,5 @@ def eval_ids(tokenizer, n: int) -> torch.Tensor:
         text = bytes(int(i) if i < 256 else 10 for i in raw.tolist()).decode("utf-8", errors="replace")
         ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:n])
     if ids.numel() < n:
-        raise ValueError(f"held-out text has only {ids.numel()} tokens, {n} asked")
+        raise HeldoutTooShort(ids.numel(), n)
     return ids
