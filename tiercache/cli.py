@@ -47,21 +47,15 @@ def _error(command: str, message: str) -> int:
     return 1
 
 
-def model_spec(name: str):
-    """The ModelSpec ``plan`` and ``validate`` use (``tiercache.planner.resolve_model``: the built-in
-    tiny models offline, presets, a local config, a hub id)."""
-    from tiercache.planner import resolve_model
-
-    return resolve_model(name)
-
-
 def _validate(args) -> int:
     from tiercache.policy import load_policy
 
     try:
         policy = load_policy(args.policy)
         if args.model:
-            policy.resolve(model_spec(args.model))
+            from tiercache.planner import resolve_model
+
+            policy.resolve(resolve_model(args.model))
     except PolicyError as e:
         print(f"{args.policy}: {e}")
         return 1
@@ -70,16 +64,9 @@ def _validate(args) -> int:
 
 
 def _plan(args) -> int:
-    """Like ``tiercache.planner.main_plan``, with the model resolved by ``model_spec`` (tiny names too)."""
-    from tiercache.planner import plan
-    from tiercache.policy import load_policy
+    from tiercache.planner import main_plan
 
-    try:
-        p = plan(load_policy(args.policy), model_spec(args.model), args.batch, args.context)
-    except PolicyError as e:
-        return _error("plan", str(e))
-    print(p.table())
-    return 0 if p.fits else 1
+    return main_plan(args.policy, args.model, args.context, args.batch)
 
 
 def _generate(args) -> int:

@@ -56,8 +56,7 @@ class Footprint:
     held: dict = field(default_factory=dict)
     tokens: int = 0  # tokens the layer keeps (after its window)
     mirrored: int = 0  # bytes of the offloaded part (what the prefetcher copies to the device)
-    returned: int = 0  # tokens a quantized layer's decode step returns (in the shared workspace); 0 otherwise
-    workspace: int = 0  # bytes of the shared workspace that decode step needs (``returned`` in whole CHUNKs)
+    workspace: int = 0  # bytes of the shared workspace a quantized layer's decode step needs; 0 otherwise
 
     def total(self) -> int:
         return sum(self.held.values())
@@ -143,7 +142,6 @@ def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) 
         if lp.offload is None:
             return Footprint({"device": fp}, kept)
         return Footprint({cold: fp}, kept, _fp_bytes(model, i, batch, _mirror_tokens(cap, kept)))
-    returned = min(tokens, lp.window) if lp.storage == "sliding" and lp.window else tokens
     q = lp.quantize
     packed, residual = quantize_split(q, tokens)
     blocks = packed // q.group_size
@@ -159,15 +157,16 @@ def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) 
     store = rows * block
     kept_rows = min(blocks, window - 1) if window else blocks
     held = {"device": _fp_bytes(model, i, batch, residual)}
-    if model.kv_sharing(i) == "store":  # returns fresh tensors (the model keeps them): no workspace
-        returned = 0
-    work = _fp_bytes(model, i, batch, capacity_for(returned)) if returned else 0
+    # the K/V a decode step returns, in the shared workspace (a "store" layer returns fresh tensors)
+    returned = min(tokens, lp.window) if lp.storage == "sliding" and lp.window else tokens
+    shares = returned and model.kv_sharing(i) != "store"
+    work = _fp_bytes(model, i, batch, capacity_for(returned)) if shares else 0
     if lp.offload is None:
         held["device"] += store
-        return Footprint(held, min(kept, kept_rows * q.group_size + residual), 0, returned, work)
+        return Footprint(held, min(kept, kept_rows * q.group_size + residual), 0, work)
     held[cold] = store
     mirror = block * _mirror_tokens(rows, kept_rows) if blocks else 0
-    return Footprint(held, min(kept, kept_rows * q.group_size + residual), mirror, returned, work)
+    return Footprint(held, min(kept, kept_rows * q.group_size + residual), mirror, work)
 
 
 def _mirror_tokens(host_capacity: int, kept: int) -> int:

@@ -200,13 +200,15 @@ class _JsonConfig:
 
 # -- CLI -------------------------------------------------------------------------------------------
 
-def main_plan(policy_path: str, model: str, context: int, batch: int, out=sys.stdout, err=None) -> int:
-    """``tiercache plan``: print the table; 0 when it fits, 1 when it does not or on error."""
+def main_plan(policy_path: str, model: str, context: int, batch: int, out=None, err=None) -> int:
+    """``tiercache plan``: print the table (``out``, default stdout); 0 when it fits, 1 when it does
+    not or on error (``tiercache plan: error: ...`` on ``err``, default stderr)."""
+    out = out if out is not None else sys.stdout  # looked up per call: sys.stdout may be replaced
     err = err if err is not None else sys.stderr
     try:
         p = plan(load_policy(policy_path), resolve_model(model), batch, context)
     except PolicyError as e:
-        print(f"error: {e}", file=err)
+        print(f"tiercache plan: error: {e}", file=err)
         return 1
     print(p.table(), file=out)
     return 0 if p.fits else 1

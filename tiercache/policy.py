@@ -182,8 +182,8 @@ class Policy:
                     offload = o.offload
             storage = "sliding" if sliding else self.storage
             window = model.sliding_window if sliding else None
-            sharing = model.kv_sharing(idx) if hasattr(model, "kv_sharing") else None
-            out.append(LayerPolicy(idx, layer_type, storage, window, self.max_length, quantize, offload, sharing))
+            out.append(LayerPolicy(idx, layer_type, storage, window, self.max_length, quantize, offload,
+                                   model.kv_sharing(idx)))
         return out
 
 

@@ -139,21 +139,25 @@ def test_permission_lost_at_any_allocation(chain, monkeypatch):
     assert fired >= 1  # static mirrors are allocated once, so few calls can fail
 
 
+def feed_disturbed(chain: Chain, cache, refs, disturb) -> None:
+    """Run STEPS through ``cache`` and its references, calling ``disturb()`` before step 3."""
+    for step, t in enumerate(STEPS):
+        if step == 3:
+            disturb()
+        for i, ref in enumerate(refs):
+            if not ref.overflows(t):
+                k, v = tokens(B, t, chain.dtype, 10 * step + i)
+                assert_update(cache.update(k, v, i), ref.update(k, v), ref.out_length())
+                ref.sync_packed()
+
+
 @pytest.mark.parametrize("chain", SOME_DISK)
 def test_backing_files_removed_while_in_use(chain):
     """Unlinking the files of live buffers (a temp cleaner) loses nothing: the mappings hold the data."""
     with tempfile.TemporaryDirectory() as path:
         cache = chain.build(path)
         refs = chain.refs(cache)
-        for step, t in enumerate(STEPS):
-            if step == 3:
-                for f in files_under(path):
-                    os.unlink(f)
-            for i, ref in enumerate(refs):
-                if not ref.overflows(t):
-                    k, v = tokens(B, t, chain.dtype, 10 * step + i)
-                    assert_update(cache.update(k, v, i), ref.update(k, v), ref.out_length())
-                    ref.sync_packed()
+        feed_disturbed(chain, cache, refs, lambda: [os.unlink(f) for f in files_under(path)])
         for i, ref in enumerate(refs):
             ref.check_held(cache.layers[i].kv())
         cache.close()
@@ -165,17 +169,8 @@ def test_tier_directory_removed_while_in_use(chain):
     """The whole directory removed: later allocations make it again, and the cache goes on."""
     with tempfile.TemporaryDirectory() as path:
         cache = chain.build(path)
-        refs = chain.refs(cache)
-        for step, t in enumerate(STEPS):
-            if step == 3:
-                for tier in disk_tiers(cache):
-                    if tier.dir is not None:
-                        shutil.rmtree(tier.dir)
-            for i, ref in enumerate(refs):
-                if not ref.overflows(t):
-                    k, v = tokens(B, t, chain.dtype, 10 * step + i)
-                    assert_update(cache.update(k, v, i), ref.update(k, v), ref.out_length())
-                    ref.sync_packed()
+        feed_disturbed(chain, cache, chain.refs(cache),
+                       lambda: [shutil.rmtree(tier.dir) for tier in disk_tiers(cache) if tier.dir is not None])
         assert_no_stray_files(cache, path)
         cache.close()
         assert files_under(path) == []

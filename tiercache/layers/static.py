@@ -26,13 +26,17 @@ class StaticLayer(KVLayer):
         if not isinstance(max_length, int) or max_length < 1:
             raise CacheError(f"static storage needs max_length >= 1, got {max_length!r}")
         self.limit = max_length
-        self.padded = self.is_compileable = bool(padded)
+        self.padded = bool(padded)
         self.tier = tier or ComputeTier()
         self.spec: KVSpec | None = None
         self.keys: torch.Tensor | None = None  # [B, H, max_length, Dk]
         self.values: torch.Tensor | None = None  # [B, H, max_length, Dv]
         self.position: torch.Tensor | None = None  # [] int64 on the device: next write index
         self.length = 0  # host mirror of position, for checks
+
+    @property
+    def is_compileable(self) -> bool:
+        return self.padded
 
     def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self._checked(key, value)
