@@ -4,6 +4,8 @@
     tiercache plan POLICY --model M --context N --batch B
     tiercache generate --model M --policy POLICY --prompt TEXT [--max-new-tokens N]
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
+    tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
+                                                    the OpenAI-compatible server (tiercache.serve)
 
 ``--model`` takes ``tiny`` (the built-in trained tiny model, no network), ``tiny-random``, a
 preset shape for ``plan`` / ``validate`` (``Llama-3-8B`` ...), a local path or a hub id.
@@ -107,6 +109,12 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from tiercache.serve.server import main as serve_main
+
+    return serve_main(args)
+
+
 def _bench(args, rest: list[str]) -> int:
     from tiercache.bench import main
 
@@ -132,6 +140,17 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--sample", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     sub.add_parser("bench", help="the trade-off benchmark (flags: tiercache bench --help)", add_help=False)
+    s = sub.add_parser("serve", help="an OpenAI-compatible server that keeps conversations' KV caches")
+    s.add_argument("--model", default="tiny", help="tiny (default), tiny-random, a local model directory or a hub id")
+    s.add_argument("--policy", default=None, help="serving policy YAML (rung 0; default: full precision)")
+    s.add_argument("--store", default=None, help="store YAML: budget per tier and demotion ladder (configs/store.yaml)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=positive_int, default=8000)
+    s.add_argument("--no-store", action="store_true", help="keep nothing between requests (prefill everything)")
+    s.add_argument("--persist", default=None, metavar="DIR", help="save stored entries here on shutdown, load on start")
+    s.add_argument("--max-active", type=positive_int, default=4, help="requests generated at once (interleaved)")
+    s.add_argument("--queue-size", type=positive_int, default=32, help="requests waiting before 429")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queue included")
     return p
 
 
@@ -143,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate" and args.policy is None:
         args.policy = {"name": "full-precision"}
     try:
-        return {"validate": _validate, "plan": _plan, "generate": _generate}[args.command](args)
+        return {"validate": _validate, "plan": _plan, "generate": _generate, "serve": _serve}[args.command](args)
     except CacheError as e:
         return _error(args.command, str(e))
 
