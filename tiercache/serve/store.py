@@ -37,6 +37,7 @@ All methods hold one lock; the worker thread calls them, the HTTP side only read
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import threading
@@ -64,7 +65,8 @@ class Entry:
 
 
 def _fork(cache):
-    return cache.fork()
+    fork = getattr(cache, "fork", None)  # TODO(lifecycle): always cache.fork() once it lands
+    return fork() if fork is not None else copy.deepcopy(cache)
 
 
 class PrefixStore:
