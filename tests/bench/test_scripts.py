@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +18,17 @@ SCRIPTS = [
                  ["tiercache Quantize (native, KIVI)", "QuantizedCache"], id="quantize"),
     pytest.param("bench_offload.py", ["--context", "64", "--new", "4", "--warmup", "1"],
                  ["| offload+int4 |", "bus bytes"], id="offload"),
+    pytest.param("bench_serve.py", ["--conversations", "1", "--turns", "2", "--history", "200", "--max-tokens", "3",
+                                    "--out", "out"],
+                 ["| TTFT store (ms) |", "| 2 |", "answers identical in every turn: True", "bench_serve.png"], id="serve"),
 ]
 
 
 @pytest.mark.parametrize("script, args, expected", SCRIPTS)
 def test_bench_script_runs(script, args, expected, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parent)}  # this checkout's tiercache, wherever pytest runs
     out = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
-                         timeout=600, cwd=tmp_path)
+                         timeout=600, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     for text in expected:
         assert text in out.stdout, f"{text!r} missing from the output of {script}:\n{out.stdout[-3000:]}"

@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from live_server import Server
+from tiercache.serve.launch import LiveServer as Server
 
 GREEDY = {"temperature": 0, "max_tokens": 24}
 SAMPLED = {"temperature": 0.9, "top_p": 0.95, "max_tokens": 24}
