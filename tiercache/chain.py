@@ -123,10 +123,14 @@ def build_layer(lp: LayerPolicy, shared: Shared, padded: bool = False) -> KVLaye
                          lp.index, owned_outputs=owned and lp.quantize is None)
 
     if lp.quantize is None:
-        return make_store(lp.window, max_length)
-    from tiercache.processors.quantize import Quantize
+        layer = make_store(lp.window, max_length)
+    else:
+        from tiercache.processors.quantize import Quantize
 
-    return Quantize(make_store, lp.quantize, window=lp.window, max_length=max_length, shared=None if owned else shared)
+        layer = Quantize(make_store, lp.quantize, window=lp.window, max_length=max_length,
+                         shared=None if owned else shared)
+    layer.policy = lp  # each chain knows the LayerPolicy it was built from
+    return layer
 
 
 def build_layers(layer_policies: list[LayerPolicy]) -> tuple[list[KVLayer], Shared]:
