@@ -13,7 +13,6 @@ import torch
 from transformers import DynamicCache
 
 from tiercache.bench.tiny import load_model
-from tiercache.planner import tier_bytes
 from tiercache.policy import load_policy
 from tiercache.serve.chat import Codec
 from tiercache.serve.errors import APIError
@@ -33,7 +32,7 @@ def tiny():
 
 def make_worker(tiny, budget=None, ladder=(), **kw):
     model, codec = tiny
-    store = PrefixStore([POLICY, *ladder], budget or {}, lambda c: tier_bytes(c.nbytes(), "cpu"), block_size=8, min_match=4)
+    store = PrefixStore([POLICY, *ladder], budget or {}, lambda c: c.tier_nbytes(), block_size=8, min_match=4)
     return Worker(model, codec, POLICY, model_name="m", store=store, **kw)
 
 
@@ -50,6 +49,7 @@ def reference(model, ids, n) -> list[int]:
 
 class Call:
     def __init__(self, worker, prompt, max_tokens, **fields):
+        self.worker = worker
         self.events, self.finished = [], threading.Event()
         req = parse_completion({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields})
         self.job = worker.prepare(req, self.emit)
@@ -62,6 +62,10 @@ class Call:
 
     def result(self, timeout=60):
         assert self.finished.wait(timeout), "no answer in time"
+        for _ in range(int(timeout * 100)):  # the cache goes back to the store after the answer
+            if self.worker.active == 0 and self.worker.queue_length == 0:
+                break
+            threading.Event().wait(0.01)
         kind, data = self.events[-1]
         if kind == "error":
             raise data["error"]
@@ -198,3 +202,72 @@ def test_prepare_refuses_what_cannot_run(tiny, prompt, max_tokens, param, words)
     with pytest.raises(APIError, match=words) as e:
         Call(w, prompt, max_tokens)
     assert e.value.status == 400 and e.value.param == param
+
+
+def lossless_ladder(tmp_path):
+    return [load_policy({"name": "host", "offload": {"device": "cpu"}}),
+            load_policy({"name": "disk", "offload": {"device": "disk", "path": str(tmp_path)}})]
+
+
+def test_demoted_conversations_come_back_exact(tiny, tmp_path):
+    model, codec = tiny
+    budget = {"device": int(2.5 * MiB), "host": int(1.5 * MiB), "disk": int(1.5 * MiB)}
+    w = make_worker(tiny, budget=budget, ladder=lossless_ladder(tmp_path))
+    w.start()
+    try:
+        prompts = [ids_of(30 + i, 30) for i in range(4)]
+        firsts = [reference(model, p, 6) for p in prompts]
+        for p in prompts:
+            Call(w, p, 6).result()
+        s = w.store.stats()
+        # device: one entry beside a request's reservation; host and disk: one each; the rest evicted
+        assert s["entries"] == {"device": 1, "host": 1, "disk": 1}, s
+        assert s["demotions"] == 5 and s["evictions"] == 1
+        for ids, cache, rung in w.store.entries():
+            twin = cache.fork()
+            twin.retier(POLICY)
+            assert_kv_matches(model, ids, twin)
+        # the conversation on disk (the second): promoted back, its next turn reuses it exactly
+        p = prompts[1] + firsts[1] + ids_of(99, 10)
+        text, done = Call(w, p, 6).result()
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompts[1]) + len(firsts[1])
+        assert text == codec.decode(reference(model, p, 6))
+    finally:
+        w.stop()
+
+
+def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_dropped(tiny, tmp_path, caplog):
+    from tiercache.serve.persist import load_entries, save_entries
+
+    model, codec = tiny
+    w = make_worker(tiny)
+    w.start()
+    prompts = [ids_of(40 + i, 25) for i in range(3)]
+    for p in prompts:
+        Call(w, p, 5).result()
+    w.stop()
+    kept = {ids for ids, _, _ in w.store.entries()}
+    assert save_entries(w.store, tmp_path / "p") == 3 and len(w.store) == 0
+    files = sorted((tmp_path / "p").glob("*.tiercache"))
+    raw = bytearray(files[1].read_bytes())
+    raw[-10] ^= 0xFF  # flip a byte of the last tensor
+    files[1].write_bytes(bytes(raw))
+    (tmp_path / "p" / "entry-junk.tiercache").write_bytes(b"not a cache")
+    w2 = make_worker(tiny)
+    with caplog.at_level("ERROR", logger="tiercache.serve"):
+        assert load_entries(w2.store, tmp_path / "p", model.config, codec.vocab_size) == 2
+    assert sum("persist: dropping" in r.message for r in caplog.records) == 2
+    assert not files[1].exists() and len(list((tmp_path / "p").glob("*.tiercache"))) == 2
+    for ids, cache, _ in w2.store.entries():
+        assert ids in kept
+        assert_kv_matches(model, ids, cache)
+    # a restarted server answers the next turn from the loaded entry
+    ids = next(iter(w2.store.entries()))[0]
+    w2.start()
+    try:
+        p = list(ids) + [10, 20, 30]
+        text, done = Call(w2, p, 5).result()
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids)
+        assert text == codec.decode(reference(model, p, 5))
+    finally:
+        w2.stop()

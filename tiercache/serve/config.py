@@ -1,8 +1,8 @@
 """``store.yaml``: the prefix store's memory budget per tier and its demotion ladder.
 
     budget:                 # bytes each tier may hold for stored conversations (null: no limit)
-      device: 256MiB        # the compute device (on a CPU-only server: RAM)
-      host: 2GiB            # CPU memory of offloaded caches (on a CPU-only server: counted as device)
+      device: 256MiB        # the compute device (on a CPU-only server: RAM all the same)
+      host: 2GiB            # CPU memory of offloaded caches (``TieredCache.tier_nbytes``)
       disk: 8GiB
     ladder:                 # where a least-recently-used entry goes when its tier is full, in order;
       - offload-cpu.yaml    # each a policy file (relative to this file, else to the working

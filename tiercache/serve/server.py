@@ -22,7 +22,6 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
     import torch
 
     from tiercache.bench.tiny import load_model
-    from tiercache.planner import tier_bytes
     from tiercache.policy import load_policy
     from tiercache.serve.app import create_app
     from tiercache.serve.chat import Codec
@@ -40,7 +39,7 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
     prefix_store = None
     if config is not None:
         prefix_store = PrefixStore([serving, *config.ladder], config.budget,
-                                   lambda cache: tier_bytes(cache.nbytes(), device),
+                                   lambda cache: cache.tier_nbytes(),
                                    block_size=config.block_size, min_match=config.min_match)
     metrics = Metrics()
     worker = Worker(net, codec, serving, model_name=model, store=prefix_store, metrics=metrics, **options)

@@ -5,7 +5,7 @@ Interface (the store knows caches and token ids, never a model)
         ladder      policies, rung 0 first: rung 0 is the serving policy; an entry over budget
                     moves one rung down (``cache.retier(ladder[r + 1])``); past the last, evicted
         budget      {"device" | "host" | "disk": bytes or None}
-        tier_bytes  cache -> {tier: bytes} (the worker maps ``cache.nbytes()`` places to tiers)
+        tier_bytes  cache -> {tier: bytes} (the server passes ``cache.tier_nbytes()``)
     store.lookup(ids) -> int                  tokens a checkout would reuse; marks that entry used
     store.checkout(ids) -> (cache | None, n)  a cache holding exactly ``ids[:n]`` at rung 0, with
                                               ``n <= len(ids) - 1`` (one token is left to prefill)
@@ -37,7 +37,6 @@ All methods hold one lock; the worker thread calls them, the HTTP side only read
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import threading
@@ -62,11 +61,6 @@ class Entry:
     def tier(self) -> str:
         """The tier holding most of its bytes (``device`` when it holds none)."""
         return max(TIERS, key=lambda t: (self.bytes.get(t, 0), -TIERS.index(t)))
-
-
-def _fork(cache):
-    fork = getattr(cache, "fork", None)  # TODO(lifecycle): always cache.fork() once it lands
-    return fork() if fork is not None else copy.deepcopy(cache)
 
 
 class PrefixStore:
@@ -116,7 +110,7 @@ class PrefixStore:
                     cache = entry.cache
                 else:  # a branch: copy, keep the entry
                     self._touch(entry)
-                    cache = _fork(entry.cache)
+                    cache = entry.cache.fork()
                     cache.crop(use)
                 if entry.rung != 0:
                     cache.retier(self.ladder[0])
