@@ -1,12 +1,13 @@
 """The real server in a subprocess on 127.0.0.1, driven by the official ``openai`` client.
 
-Three servers start once for the module: the store on (``configs/store.yaml``-like budget),
-``--no-store`` (the reference: every prompt prefilled in full), and a tiny budget with a lossless
-ladder (host, then disk) that forces demotions and evictions."""
+Three servers start once for the module: the store on (the default budget), ``--no-store`` (the
+reference: every prompt prefilled in full), and a tiny budget with a lossless ladder (host, then
+disk) that forces demotions and evictions, with ``--persist DIR`` (restarted by the last test)."""
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -23,17 +24,21 @@ SAMPLED = {"temperature": 0.9, "top_p": 0.95, "max_tokens": 24}
 def servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
     (d / "tiny-store.yaml").write_text(json.dumps({
-        "budget": {"device": "2.5MiB", "host": "4MiB", "disk": "2.5MiB"},
+        "budget": {"device": "2.5MiB", "host": "1.5MiB", "disk": "1.5MiB"},  # 1 MiB per entry
         "ladder": [{"name": "host", "offload": {"device": "cpu"}},
                    {"name": "disk", "offload": {"device": "disk", "path": str(d / "disk")}}],
         "block_size": 8, "min_match": 8}))
     started = {"store": Server("--model", "tiny", log_dir=d),
                "plain": Server("--model", "tiny", "--no-store", log_dir=d),
-               "tight": Server("--model", "tiny", "--store", str(d / "tiny-store.yaml"), "--max-active", "2", log_dir=d)}
+               "tight": Server("--model", "tiny", "--store", str(d / "tiny-store.yaml"), "--max-active", "2",
+                               "--persist", str(d / "persisted"), log_dir=d)}
+    live = dict(started)  # tests may replace one (a restart)
     try:
-        yield {name: s.wait_ready() for name, s in started.items()}
-    finally:
         for s in started.values():
+            s.wait_ready()
+        yield live
+    finally:
+        for s in {*started.values(), *live.values()}:
             s.stop()
 
 
@@ -126,9 +131,10 @@ def test_a_tiny_budget_demotes_and_evicts_and_answers_stay_right(servers):
     tight, plain = servers["tight"], servers["plain"]
     for i in range(5):
         conversation(tight, [f"# module {i}", "continue"], reference=plain)
+    wait_idle(tight)
     m = tight.metrics()
     assert m["tiercache_store_demotions_total"] > 0 and m["tiercache_store_evictions_total"] > 0
-    for tier, budget in (("device", 2.5), ("disk", 2.5)):
+    for tier, budget in (("device", 2.5), ("host", 1.5), ("disk", 1.5)):
         assert m[f'tiercache_store_bytes{{tier="{tier}"}}'] <= budget * 2**20
     # the oldest conversation was evicted: asked again, it is prefilled and answered the same
     conversation(tight, ["# module 0", "continue"], reference=plain)
@@ -206,3 +212,21 @@ def test_a_client_that_disconnects_cancels_its_generation(servers):
     wait_idle(s, 10.0)  # 3000 tokens would take far longer than this
     assert s.http.get("/health").json()["active_requests"] == 0
     assert chat(s, [{"role": "user", "content": "after a cancel"}], max_tokens=2)[0] is not None
+
+
+def test_persisted_entries_survive_a_restart(servers, tmp_path):
+    s, plain = servers["tight"], servers["plain"]
+    messages = [{"role": "user", "content": "def survive_a_restart():"}]
+    first, usage = chat(s, messages)
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "and again"}]
+    wait_idle(s)
+    log = s.stop()  # SIGTERM: a graceful shutdown saves the store
+    assert re.search(r"persist: saved [1-9]\d* entries", log), log
+    flags = s.proc.args[s.proc.args.index("serve") + 1:]
+    again = Server(*[f for f in flags if f not in ("--port", str(s.port), "--host", "127.0.0.1")],
+                   log_dir=tmp_path).wait_ready()
+    servers["tight"] = again  # the fixture stops it
+    assert re.search(r"persist: loaded [1-9]\d* entries", again.log())
+    answer, after = chat(again, messages)
+    assert after.prompt_tokens_details.cached_tokens >= usage.prompt_tokens + usage.completion_tokens - 1
+    assert answer == chat(plain, messages)[0]
