@@ -13,6 +13,8 @@ Modules, from the face down (imports flow that way):
 - ``persist``   entries saved on shutdown and loaded (checked) on start
 - ``metrics``   Prometheus text for ``/metrics``
 - ``errors``    ``APIError``: status, message, type, param, code
+- ``server``    flags -> model, store, worker, app; uvicorn (``tiercache serve``)
+- ``launch``    ``LiveServer``: a server subprocess on loopback (tests, ``bench/bench_serve.py``)
 
 Only this package imports fastapi / uvicorn / prometheus_client (``pip install tiercache[serve]``).
 """
