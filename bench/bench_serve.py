@@ -1,6 +1,6 @@
 """Time to first token per turn of growing chats, against the live server, with and without the store.
 
-    python bench/bench_serve.py [--model tiny] [--conversations 2] [--turns 16] [--history 4000]
+    python bench/bench_serve.py [--model tiny] [--conversations 2] [--turns 32] [--history 4000]
                                 [--max-tokens 16] [--store configs/store.yaml] [--out out/bench_serve]
 
 Two servers run side by side (``tiercache serve`` with the store, and with ``--no-store``), each in
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--policy", default=None)
     p.add_argument("--store", default=None, help="store YAML for the store server (default: built-in budget)")
     p.add_argument("--conversations", type=int, default=2)
-    p.add_argument("--turns", type=int, default=16)
+    p.add_argument("--turns", type=int, default=32)
     p.add_argument("--history", type=int, default=4000, help="history tokens at the last turn (byte-level models: chars)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--out", default="out/bench_serve")

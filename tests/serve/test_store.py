@@ -159,3 +159,14 @@ def test_ties_prefer_the_least_demoted_then_most_recent(prefer):
     assert ca.kv == a and cb.kv == b  # forks: both entries stay intact
     chosen = cb if prefer == "least-demoted" else ca  # b: rung 0 beats rung 1; a: touched last
     assert chosen.forks == 1 and ca.forks + cb.forks == 1 and cache.place == "device"
+
+
+def test_a_branch_that_cannot_be_copied_keeps_the_entry():
+    store = make()
+    ids = list(range(12))
+    store.put(ids, entry := FakeCache(ids))
+    entry.fork = lambda: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    assert store.checkout(ids[:8] + [99, 98]) == (None, 0)
+    assert len(store) == 1 and not entry.closed  # still there for its own next turn
+    cache, n = store.checkout(ids + [1])
+    assert cache is entry and n == 12

@@ -26,7 +26,8 @@ recently used, when several do). When the request extends the whole entry (the n
 conversation) the entry is *taken* out of the store, no copy; otherwise (an edited message, a
 branch) it is forked and the fork cropped to the shared prefix, and the entry stays. A shared
 prefix shorter than ``min_match`` tokens is not worth the copy: a miss. A demoted cache is
-retiered back to rung 0 before use.
+retiered back to rung 0 before use. If that fails, the request prefills from scratch: a failed
+copy leaves the entry as it was, a taken entry that cannot be brought back is dropped (logged).
 
 Put: entries whose ids are a prefix of the new ids are superseded and dropped (the new entry
 serves all they could). Then the budget is enforced: while a tier holds more than its budget
@@ -102,34 +103,37 @@ class PrefixStore:
         with self._lock:
             entry, use = self._best(ids)
             if entry is None:
-                self.counters["misses"] += 1
-                return None, 0
+                return self._miss()
+            taken = use == len(entry.ids)  # the request extends the whole entry: take it, no copy
+            if taken:
+                self._remove(entry)
+            else:  # a branch: copy and crop, the entry stays
+                self._touch(entry)
+            cache = entry.cache if taken else None
             try:
-                if use == len(entry.ids):  # the request extends the whole entry: take it
-                    self._remove(entry)
-                    cache = entry.cache
-                else:  # a branch: copy, keep the entry
-                    self._touch(entry)
+                if not taken:
                     cache = entry.cache.fork()
                     cache.crop(use)
                 if entry.rung != 0:
                     cache.retier(self.ladder[0])
-            except Exception as e:  # noqa: BLE001 - a broken entry is dropped, never served
-                log.error("store: dropping an entry of %d tokens that could not be checked out: %s", len(entry.ids), e)
-                if entry in self._lru:
-                    self._remove(entry)
-                entry.cache.close()
-                self.counters["misses"] += 1
-                return None, 0
+            except Exception as e:  # noqa: BLE001 - never serve a doubtful cache
+                log.error("store: a stored entry of %d tokens could not be checked out (%s); %s", len(entry.ids), e,
+                          "dropped" if taken else "prefilling instead")
+                if cache is not None:
+                    cache.close()
+                return self._miss()
             if cache.get_seq_length() != use:
                 log.error("store: a checked-out cache holds %d tokens, %d expected; not used",
                           cache.get_seq_length(), use)
                 cache.close()
-                self.counters["misses"] += 1
-                return None, 0
+                return self._miss()
             self.counters["hits"] += 1
             self.counters["cached_tokens"] += use
             return cache, use
+
+    def _miss(self):
+        self.counters["misses"] += 1
+        return None, 0
 
     # -- hand back -------------------------------------------------------------------------------
     def put(self, ids, cache, rung: int = 0, oldest: bool = False) -> bool:
