@@ -1,0 +1,141 @@
+"""The legacy cache format: a tuple with one ``(key, value)`` pair of ``[B, H, S, D]`` tensors per layer.
+
+    check_past(past, model, policy, seq_length=None) -> (seen, batch)
+        validate a legacy past against a ``ModelSpec`` and a ``Policy`` before anything is built;
+        ``CacheError`` naming the layer and what was expected otherwise.
+    fill(cache, past, seen)
+        load each layer of a fresh ``TieredCache`` from its pair, once.
+    export(layers) -> tuple[(keys, values), ...]
+        each layer's K/V at full precision, as fresh tensors.
+
+What a past means (``TieredCache.from_legacy`` / ``to_legacy``):
+- ``seen``, the tokens the past stands for, is ``seq_length`` when given, else the longest
+  layer's length. Full and static layers hold exactly ``seen`` tokens. A sliding layer may hold
+  all of them or only the newest ``min(seen, window - 1)`` or more (what transformers'
+  ``DynamicSlidingWindowLayer`` and a sliding tiercache layer keep): it still counts ``seen``
+  tokens, so positions and masks continue where the past left off. A model whose layers are all
+  sliding (Mistral) cannot tell from a trimmed past how many tokens came before: pass
+  ``seq_length``.
+- A KV-sharing ``reuse`` layer (Gemma 3n / 4) is never written by the model: its pair may be
+  ``(None, None)`` or tensors, and is not stored; ``export`` gives ``(None, None)`` for it.
+- ``None`` or ``()`` is the empty past: an empty cache, and an empty cache exports ``()``.
+- Each layer is loaded as one bulk update of its tokens. Quantized layers end in the same state
+  as after any prefill of ``seen`` tokens (the KIVI residual rule depends on the count alone).
+  Until layers speak ``ingest(k, v, seen)``, a sliding layer that holds fewer than ``seen``
+  tokens is fed zeros before them so it counts ``seen`` (they slide out at once: only the
+  quantized block statistics of a quantized sliding layer see them).
+- ``export`` returns copies: an offloaded layer's device mirror is reused by the next layer, and
+  a legacy tuple must not change when the cache does. Quantized layers export their dequantized
+  values. The round trip ``from_legacy(past).to_legacy()`` gives ``past`` back bit for bit at full
+  precision (sliding layers: the tokens they keep).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiercache.errors import CacheError
+from tiercache.model_spec import ModelSpec
+from tiercache.policy import Policy
+
+
+def check_past(past, model: ModelSpec, policy: Policy, seq_length: int | None = None) -> tuple[int, int]:
+    n = model.num_layers
+    if seq_length is not None and (not isinstance(seq_length, int) or isinstance(seq_length, bool) or seq_length < 0):
+        raise CacheError(f"from_legacy: seq_length must be an int >= 0 (tokens the past stands for), got {seq_length!r}")
+    if past is None or (isinstance(past, (tuple, list)) and len(past) == 0):
+        return (seq_length or 0), 0
+    if not isinstance(past, (tuple, list)):
+        raise CacheError(f"from_legacy: past must be a tuple (or list) of {n} (key, value) pairs, one per layer of "
+                         f"{model.name}; got {type(past).__name__}")
+    if len(past) != n:
+        raise CacheError(f"from_legacy: past has {len(past)} layers, expected {n} (key, value) pairs: "
+                         f"one per layer of {model.name}")
+    lengths, batch = [], None
+    for i, pair in enumerate(past):
+        length = _check_pair(i, pair, model)
+        if length is None:
+            continue
+        b = pair[0].shape[0]
+        if batch is not None and b != batch:
+            raise CacheError(f"from_legacy: layer {i} has batch {b}, earlier layers have {batch}; every layer "
+                             "must hold the same batch")
+        batch = b
+        lengths.append((i, length))
+    if batch is None:
+        raise CacheError("from_legacy: every layer's pair is (None, None); a past needs tensors for the layers "
+                         "the model writes (use None or () for an empty past)")
+    longest = max(length for _, length in lengths)
+    seen = longest if seq_length is None else seq_length
+    if seen < longest:
+        raise CacheError(f"from_legacy: seq_length {seen} is less than the {longest} tokens a layer holds")
+    for i, length in lengths:
+        sliding = model.layer_types[i] != "full_attention"
+        window = model.sliding_window or 1
+        if not sliding and length != seen:
+            raise CacheError(f"from_legacy: layer {i} holds {length} tokens, expected {seen}: every full-attention "
+                             f"layer holds all the tokens the past stands for")
+        if sliding and length < min(seen, window - 1):
+            raise CacheError(f"from_legacy: sliding layer {i} holds {length} tokens, expected at least "
+                             f"{min(seen, window - 1)} (the newest min(tokens, window - 1) of {seen}) and at most {seen}")
+    if policy.storage == "static" and policy.max_length is not None and seen > policy.max_length:
+        raise CacheError(f"from_legacy: the past holds {seen} tokens, more than static max_length "
+                         f"{policy.max_length}; raise max_length or use storage: full")
+    return seen, batch
+
+
+def fill(cache, past, seen: int) -> None:
+    """Load layer ``i`` of ``cache`` from ``past[i]``; ``check_past`` has accepted ``past``."""
+    if past is None:
+        return
+    for i, (key, value) in enumerate(past):
+        if key is None or cache.model.kv_sharing(i) == "reuse":
+            continue
+        _load(cache, i, key, value, seen)
+
+
+def _load(cache, i: int, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
+    """One layer, one bulk write (the line to swap for ``cache.layers[i].ingest(key, value, seen)``)."""
+    missing = seen - key.shape[2]
+    if missing:  # a trimmed sliding layer: count the tokens it no longer holds
+        key = torch.cat([key.new_zeros(*key.shape[:2], missing, key.shape[3]), key], dim=2)  # [B, H, seen, Dk]
+        value = torch.cat([value.new_zeros(*value.shape[:2], missing, value.shape[3]), value], dim=2)
+    cache.update(key, value, i)
+
+
+def export(layers) -> tuple:
+    held = [layer.kv() for layer in layers]
+    held = [None if kv is None else (kv[0].clone(), kv[1].clone()) for kv in held]  # copy at once: see docstring
+    if all(kv is None for kv in held):
+        return ()
+    return tuple((None, None) if kv is None else kv for kv in held)
+
+
+def _check_pair(i: int, pair, model: ModelSpec) -> int | None:
+    """Tokens in layer ``i``'s pair, or None for a ``(None, None)`` pair the layer may have."""
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        what = f"{type(pair).__name__} of {len(pair)}" if isinstance(pair, (tuple, list)) else type(pair).__name__
+        raise CacheError(f"from_legacy: layer {i}: expected a (key, value) pair of tensors, got a {what}")
+    key, value = pair
+    if key is None and value is None and model.kv_sharing(i) == "reuse":
+        return None
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise CacheError(f"from_legacy: layer {i}: {name} is a {type(t).__name__}, expected a torch.Tensor "
+                             "[batch, heads, tokens, head_dim]")
+        if t.dim() != 4:
+            raise CacheError(f"from_legacy: layer {i}: {name} has shape {tuple(t.shape)}, expected 4 dimensions "
+                             "[batch, heads, tokens, head_dim]")
+        if not t.is_floating_point():
+            raise CacheError(f"from_legacy: layer {i}: {name} is {t.dtype}, expected a floating point dtype")
+    if key.shape[:3] != value.shape[:3]:
+        raise CacheError(f"from_legacy: layer {i}: key {tuple(key.shape)} and value {tuple(value.shape)} differ in "
+                         "batch, heads or tokens")
+    if key.dtype != value.dtype or key.device != value.device:
+        raise CacheError(f"from_legacy: layer {i}: key ({key.dtype}, {key.device}) and value ({value.dtype}, "
+                         f"{value.device}) must share dtype and device")
+    heads, key_dim, value_dim = model.kv_shape(i)
+    if (key.shape[1], key.shape[3], value.shape[3]) != (heads, key_dim, value_dim):
+        raise CacheError(f"from_legacy: layer {i}: got {key.shape[1]} heads, key dim {key.shape[3]}, value dim "
+                         f"{value.shape[3]}; {model.name} caches {heads} heads, key dim {key_dim}, value dim {value_dim}")
+    return key.shape[2]

@@ -1,0 +1,92 @@
+"""``CrossAttention``: the outermost processor of a cross-attention layer (encoder-decoder models).
+
+    CrossAttention(inner) -> a layer (``tiercache.layers.base`` protocol) that delegates to ``inner``
+
+Encoder-decoder models (BART, T5, Whisper ...) write a layer's cross-attention K/V once, from the
+encoder output, and on every later step read them back through transformers' layer attributes
+``keys`` and ``values`` (``past_key_values.cross_attention_cache.layers[i].keys``) instead of
+calling ``update``. This processor adds exactly those two read-only attributes: each is
+``inner.kv()``'s key (value) part, so whatever ``inner`` is (full storage, ``Quantize``,
+``Offload`` or both) the model reads the full-precision K/V on the compute device: views of the
+storage, a prefetched mirror, or freshly dequantized tensors. ``None`` while the layer is empty
+(transformers' empty-layer convention). Everything else is ``inner``'s, unchanged.
+
+Storage layers keep ``keys`` / ``values`` attributes of their own (a static layer's buffer), so
+these names live here, on the chain's outside, and only for cross-attention layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiercache.layers.base import KVLayer
+
+
+class CrossAttention(KVLayer):
+    def __init__(self, inner: KVLayer):
+        self.inner = inner
+        self.is_sliding = inner.is_sliding
+
+    # -- transformers' read-back attributes ---------------------------------------------------
+    @property
+    def keys(self) -> torch.Tensor | None:  # [B, H, S_enc, Dk]
+        held = self.inner.kv()
+        return None if held is None else held[0]
+
+    @property
+    def values(self) -> torch.Tensor | None:  # [B, H, S_enc, Dv]
+        held = self.inner.kv()
+        return None if held is None else held[1]
+
+    # -- the protocol, delegated ------------------------------------------------------------
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.update(key, value)
+
+    def seq_length(self) -> int:
+        return self.inner.seq_length()
+
+    def mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.inner.mask_sizes(query_length)
+
+    def max_length(self) -> int:
+        return self.inner.max_length()
+
+    def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.inner.validate_update(key, value)
+
+    def validate_crop(self, n: int) -> None:
+        self.inner.validate_crop(n)
+
+    def crop(self, n: int) -> None:
+        self.inner.crop(n)
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        self.inner.reorder(beam_idx)
+
+    def select(self, indices: torch.Tensor) -> None:
+        self.inner.select(indices)
+
+    def repeat_interleave(self, repeats: int) -> None:
+        self.inner.repeat_interleave(repeats)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.inner.kv()
+
+    def nbytes(self) -> dict[str, int]:
+        return self.inner.nbytes()
+
+    def prefetch(self) -> None:
+        self.inner.prefetch()
+
+    def set_recording(self, on: bool) -> None:
+        self.inner.set_recording(on)
+
+    @property
+    def recording(self) -> bool:
+        return self.inner.record_past
+
+    def close(self) -> None:
+        self.inner.close()
