@@ -104,8 +104,10 @@ def _load(cache, i: int, key: torch.Tensor, value: torch.Tensor, seen: int) -> N
 
 
 def export(layers) -> tuple:
-    held = [layer.kv() for layer in layers]
-    held = [None if kv is None else (kv[0].clone(), kv[1].clone()) for kv in held]  # copy at once: see docstring
+    held = []
+    for layer in layers:
+        kv = layer.kv()  # an offloaded layer's views live in a mirror slot the next layer may reuse:
+        held.append(None if kv is None else (kv[0].clone(), kv[1].clone()))  # copy before the next kv()
     if all(kv is None for kv in held):
         return ()
     return tuple((None, None) if kv is None else kv for kv in held)
