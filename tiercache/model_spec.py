@@ -203,5 +203,10 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("Mistral-7B", 32, ("sliding_attention",) * 32, kv_heads=8, head_dim=128, sliding_window=4096),
         ModelSpec("Gemma-2-9B", 42, _alternating(42), kv_heads=8, head_dim=256, sliding_window=4096),
         ModelSpec("Qwen2.5-7B", 28, ("full_attention",) * 28, kv_heads=4, head_dim=128),
+        # encoder-decoder (decoder layers; cross-attention K/V of the same shape): plan with --encoder-length
+        ModelSpec("Whisper-large-v3", 32, ("full_attention",) * 32, kv_heads=20, head_dim=64, dtype="float16",
+                  cross_attention=True),
+        ModelSpec("BART-large", 12, ("full_attention",) * 12, kv_heads=16, head_dim=64, dtype="float32",
+                  cross_attention=True),
     )
 }
