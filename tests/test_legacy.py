@@ -8,9 +8,9 @@ itself (the KIVI rule depends on the token count alone), so their next logits ar
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, EncoderDecoderCache
 
-from models import FAMILIES, build, prompt
+from models import FAMILIES, SEQ2SEQ, build, build_seq2seq, prompt, seq2seq_inputs
 from tiercache import CacheError, TieredCache
 from tiercache.model_spec import ModelSpec
 
@@ -201,3 +201,34 @@ def test_an_error_while_filling_closes_the_half_built_cache(monkeypatch, tmp_pat
     with pytest.raises(CacheError, match="layer 2"):
         TieredCache.from_legacy(tuple(past), policy, config)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_encoder_decoder_past_round_trips_and_continues(name):
+    """Four tensors per layer (self key, value, cross key, value), as EncoderDecoderCache iterates."""
+    model, inputs = build_seq2seq(name), seq2seq_inputs(name)
+    ref = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    with torch.no_grad():
+        enc = model.get_encoder()(**inputs)
+        tokens = torch.randint(3, 128, (2, 4), generator=torch.Generator().manual_seed(2))  # [B, 4] decoder prompt
+        logits = model(encoder_outputs=enc, decoder_input_ids=tokens, past_key_values=ref).logits
+        past = tuple((sk, sv, ck, cv) for sk, sv, _, ck, cv, _ in ref)
+        ours = TieredCache.from_legacy(past, {"cross_attention": {"offload": {"device": "cpu"}}}, model.config)
+        assert isinstance(ours, EncoderDecoderCache) and all(ours.is_updated.values())
+        assert same(ours.to_legacy(), past)
+        for _ in range(5):
+            nxt = logits[:, -1:].argmax(-1)
+            logits = model(encoder_outputs=enc, decoder_input_ids=nxt, past_key_values=ref).logits
+            assert torch.equal(model(encoder_outputs=enc, decoder_input_ids=nxt, past_key_values=ours).logits, logits)
+    assert same(ours.to_legacy(), tuple((sk, sv, ck, cv) for sk, sv, _, ck, cv, _ in ref))
+
+
+def test_encoder_decoder_pasts_are_checked_per_half():
+    config = build_seq2seq("bart").config
+    k = torch.randn(1, 2, 5, 16)
+    with pytest.raises(CacheError, match="has 4 tensors per layer .* got a tuple of 2"):
+        TieredCache.from_legacy(((k, k),) * 3, {}, config)
+    bad_cross = ((k, k, k, k), (k, k, k, k), (k, k, k[:, :, :2], k[:, :, :2]))
+    with pytest.raises(CacheError, match="cross-attention half: from_legacy: layer 2 holds 2 tokens, expected 5"):
+        TieredCache.from_legacy(bad_cross, {}, config)
+    assert TieredCache.for_encoder_decoder({}, config).to_legacy() == ()

@@ -63,13 +63,27 @@ class TieredCache(Cache):
 
         policy = load_policy(policy)
         model = _spec(model_config)
-        seen, batch = legacy.check_past(past, model, policy, seq_length)
-        cache = cls.from_policy(policy, model, batch_size=max(batch, 1), context_length=max(seen, 1))
+        if model.cross_attention:  # -> TieredEncoderDecoderCache, both halves filled
+            halves = legacy.split(past, model)
+            sizes = [legacy.check_past(halves[0], model, policy, seq_length)]
+            try:  # cross-attention: full storage, all layers hold the encoder's tokens
+                sizes.append(legacy.check_past(halves[1], model, Policy()))
+            except CacheError as e:
+                raise CacheError(f"cross-attention half: {e}") from None
+            cache = cls.for_encoder_decoder(policy, model)
+            parts = zip((cache.self_attention_cache, cache.cross_attention_cache), halves, sizes)
+        else:
+            seen, batch = legacy.check_past(past, model, policy, seq_length)
+            cache = cls.from_policy(policy, model, batch_size=max(batch, 1), context_length=max(seen, 1))
+            parts = [(cache, past, (seen, batch))]
         try:
-            legacy.fill(cache, past, seen)
+            for half, half_past, (seen, _) in parts:
+                legacy.fill(half, half_past, seen)
         except CacheError:
             cache.close()
             raise
+        if model.cross_attention:
+            cache.is_updated = {i: cache.cross_attention_cache.get_seq_length(i) > 0 for i in range(model.num_layers)}
         return cache
 
     def to_legacy(self) -> tuple:
@@ -264,6 +278,16 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
 
     def cross_nbytes(self) -> dict[str, int]:
         return self.cross_attention_cache.nbytes()
+
+    def to_legacy(self) -> tuple:
+        """Per layer ``(self key, self value, cross key, cross value)`` at full precision, fresh
+        tensors (``()`` when empty); ``TieredCache.from_legacy`` takes it back."""
+        own, cross = self.self_attention_cache.to_legacy(), self.cross_attention_cache.to_legacy()
+        if not own and not cross:
+            return ()
+        n = len(self.self_attention_cache.layers)
+        own, cross = own or ((None, None),) * n, cross or ((None, None),) * n
+        return tuple((*a, *b) for a, b in zip(own, cross))
 
     def close(self) -> None:
         self.self_attention_cache.close()

@@ -7,6 +7,9 @@
         load each layer of a fresh ``TieredCache`` from its pair, once.
     export(layers) -> tuple[(keys, values), ...]
         each layer's K/V at full precision, as fresh tensors.
+    split(past, model) -> (self_past, cross_past)
+        an encoder-decoder past (per layer ``(self key, self value, cross key, cross value)``, as
+        transformers' ``EncoderDecoderCache`` iterated and old transformers returned) in halves.
 
 What a past means (``TieredCache.from_legacy`` / ``to_legacy``):
 - ``seen``, the tokens the past stands for, is ``seq_length`` when given, else the longest
@@ -24,6 +27,12 @@ What a past means (``TieredCache.from_legacy`` / ``to_legacy``):
   Until layers speak ``ingest(k, v, seen)``, a sliding layer that holds fewer than ``seen``
   tokens is fed zeros before them so it counts ``seen`` (they slide out at once: only the
   quantized block statistics of a quantized sliding layer see them).
+- A quantized sliding layer keeps whole blocks, so it may export up to a block more than
+  ``window - 1`` tokens; those older than what a trimmed past held are the zeros it was fed.
+- Encoder-decoder models (``ModelSpec.cross_attention``): four tensors per layer; the cross
+  half holds the encoder's tokens, all layers alike. ``from_legacy`` then returns the
+  ``EncoderDecoderCache`` of ``TieredCache.for_encoder_decoder`` with both halves filled (and
+  ``is_updated`` set, so the model reads cross-attention back instead of writing it again).
 - ``export`` returns copies: an offloaded layer's device mirror is reused by the next layer, and
   a legacy tuple must not change when the cache does. Quantized layers export their dequantized
   values. The round trip ``from_legacy(past).to_legacy()`` gives ``past`` back bit for bit at full
@@ -141,3 +150,19 @@ def _check_pair(i: int, pair, model: ModelSpec) -> int | None:
         raise CacheError(f"from_legacy: layer {i}: got {key.shape[1]} heads, key dim {key.shape[3]}, value dim "
                          f"{value.shape[3]}; {model.name} caches {heads} heads, key dim {key_dim}, value dim {value_dim}")
     return key.shape[2]
+
+
+def split(past, model: ModelSpec) -> tuple:
+    """``(self_past, cross_past)`` of an encoder-decoder legacy past; ``(None, None)`` for an empty one."""
+    if past is None or (isinstance(past, (tuple, list)) and len(past) == 0):
+        return None, None
+    if not isinstance(past, (tuple, list)):
+        raise CacheError(f"from_legacy: past must be a tuple (or list) of {model.num_layers} entries, one per decoder "
+                         f"layer of {model.name}; got {type(past).__name__}")
+    for i, entry in enumerate(past):
+        if not isinstance(entry, (tuple, list)) or len(entry) != 4:
+            got = f"a {type(entry).__name__} of {len(entry)}" if isinstance(entry, (tuple, list)) else type(entry).__name__
+            raise CacheError(f"from_legacy: layer {i}: an encoder-decoder model's past has 4 tensors per layer "
+                             f"(self-attention key, value, cross-attention key, value), got {got}")
+    halves = tuple(tuple(e[:2]) for e in past), tuple(tuple(e[2:]) for e in past)
+    return tuple(None if all(t is None for pair in h for t in pair) else h for h in halves)  # an empty half
