@@ -12,7 +12,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 
 from models import SEQ2SEQ, build, build_seq2seq, encoder_length, seq2seq_inputs
 from tiercache import CacheError, PolicyError, TieredCache
-from tiercache.cache import TieredEncoderDecoderCache
+from tiercache.model_spec import ModelSpec
 
 MODES = {
     "greedy": dict(),
@@ -154,7 +154,13 @@ def test_decoder_layers_and_heads_come_from_the_decoder():
         cache = TieredCache.for_encoder_decoder({}, config)
         assert len(cache.self_attention_cache.layers) == len(cache.cross_attention_cache.layers) == 5
         assert cache.self_attention_cache.model.kv_shape(0) == (2, 16, 16)
-        assert TieredCache.from_policy({}, config).model.num_layers == 5
+        assert ModelSpec.from_config(config).num_layers == 5
+
+
+def test_from_policy_on_an_encoder_decoder_config_points_to_for_encoder_decoder():
+    """A lone TieredCache would take the encoder's K/V into the self-attention layers."""
+    with pytest.raises(PolicyError, match=r"encoder-decoder model: .* TieredCache.for_encoder_decoder"):
+        TieredCache.from_policy({}, build_seq2seq("whisper").config)
 
 
 def test_t5_with_more_decoder_layers_than_encoder_layers():

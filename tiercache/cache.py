@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 from tiercache.chain import build_layers
-from tiercache.errors import CacheError
+from tiercache.errors import CacheError, PolicyError
 from tiercache.layers.base import KVLayer
 from tiercache.model_spec import ModelSpec
 from tiercache.policy import Policy, load_policy
@@ -44,6 +44,12 @@ class TieredCache(Cache):
         """
         policy = load_policy(policy)
         model = _spec(model_config)
+        if model.cross_attention and not isinstance(model_config, ModelSpec):
+            raise PolicyError(
+                f"{type(model_config).__name__} is an encoder-decoder model: its layers attend to themselves and to "
+                "the encoder, so it needs TieredCache.for_encoder_decoder(policy, config) (an EncoderDecoderCache "
+                "of two TieredCaches)"
+            )
         if policy.auto:
             from tiercache.planner import check_sizes, choose
 
