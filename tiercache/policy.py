@@ -12,6 +12,8 @@ Choices where DESIGN.md is silent
   ``layer_type``) with an ``offload`` section: they are small, and offloading them is slower.
 - ``offload.path`` defaults to the system temp directory for ``device: disk``.
 - ``bits: 8`` with ``format: fp8`` selects e4m3 floating point (native backend only).
+- ``cross_attention`` (encoder-decoder models, ``tiercache.cross_attention``): its own ``quantize``
+  / ``offload``, not merged with the top-level ones; omitted means full precision on the device.
 """
 
 from __future__ import annotations
