@@ -136,7 +136,7 @@ def build_layer(lp: LayerPolicy, shared: Shared, padded: bool = False) -> KVLaye
     if lp.layer_type == "cross_attention":  # read back every step through .keys / .values
         from tiercache.processors.cross import CrossAttention
 
-        layer = CrossAttention(layer)
+        layer = CrossAttention(layer, fresh_reads=lp.quantize is not None)
     return layer
 
 

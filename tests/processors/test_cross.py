@@ -82,3 +82,22 @@ def test_cross_attention_section_round_trips_and_validates(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("cross_attention:\n  quantize: {bits: 5}\n")
     assert main(["validate", str(path)]) == 1
+
+
+@pytest.mark.parametrize("name,reads", [("int8", 1), ("int4-host", 1), ("fp", 2), ("host", 2)])
+def test_a_quantized_layer_is_dequantized_once_per_keys_values_read(name, reads, monkeypatch):
+    """Fresh (dequantized) tensors serve the values read after keys; views are read again."""
+    layer = chains(SECTIONS[name][0])[0]
+    k = torch.randn(1, 2, 24, 8)
+    layer.update(k, -k)
+    calls = []
+    inner_kv = layer.inner.kv
+    monkeypatch.setattr(layer.inner, "kv", lambda: calls.append(1) or inner_kv())
+    keys, values = layer.keys, layer.values
+    want = inner_kv()
+    assert len(calls) == reads and torch.equal(keys, want[0]) and torch.equal(values, want[1])
+    layer.keys  # noqa: B018 - a keys read, then a change: values must show the change
+    layer.select(torch.tensor([0]))
+    layer.reorder(torch.tensor([0]))
+    layer.crop(4)
+    assert layer.values.shape[2] == 20 and layer.keys.shape[2] == 20

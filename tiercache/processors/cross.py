@@ -1,6 +1,8 @@
 """``CrossAttention``: the outermost processor of a cross-attention layer (encoder-decoder models).
 
-    CrossAttention(inner) -> a layer (``tiercache.layers.base`` protocol) that delegates to ``inner``
+    CrossAttention(inner, fresh_reads=False) -> a layer (``tiercache.layers.base`` protocol) that
+        delegates to ``inner``; ``fresh_reads``: ``inner.kv()`` returns fresh tensors (a quantized
+        chain dequantizes), so one read serves ``keys`` and the ``values`` read that follows it
 
 Encoder-decoder models (BART, T5, Whisper ...) write a layer's cross-attention K/V once, from the
 encoder output, and on every later step read them back through transformers' layer attributes
@@ -10,6 +12,11 @@ calling ``update``. This processor adds exactly those two read-only attributes: 
 ``Offload`` or both) the model reads the full-precision K/V on the compute device: views of the
 storage, a prefetched mirror, or freshly dequantized tensors. ``None`` while the layer is empty
 (transformers' empty-layer convention). Everything else is ``inner``'s, unchanged.
+
+Models read ``keys`` then ``values`` of a layer back to back. With ``fresh_reads`` the pair read
+for ``keys`` is kept for that ``values`` read (one dequantization per step, not two), and dropped
+by it or by any call that changes the layer; views of storage or of an offload mirror (which the
+next layer's fetch may reuse) are never kept.
 
 Storage layers keep ``keys`` / ``values`` attributes of their own (a static layer's buffer), so
 these names live here, on the chain's outside, and only for cross-attention layers.
@@ -23,23 +30,27 @@ from tiercache.layers.base import KVLayer
 
 
 class CrossAttention(KVLayer):
-    def __init__(self, inner: KVLayer):
+    def __init__(self, inner: KVLayer, fresh_reads: bool = False):
         self.inner = inner
         self.is_sliding = inner.is_sliding
+        self.fresh_reads = fresh_reads
+        self._read: tuple[torch.Tensor, torch.Tensor] | None = None  # the pair read for keys, kept for values
 
     # -- transformers' read-back attributes ---------------------------------------------------
     @property
     def keys(self) -> torch.Tensor | None:  # [B, H, S_enc, Dk]
         held = self.inner.kv()
+        self._read = held if self.fresh_reads else None
         return None if held is None else held[0]
 
     @property
     def values(self) -> torch.Tensor | None:  # [B, H, S_enc, Dv]
-        held = self.inner.kv()
+        held, self._read = (self._read or self.inner.kv()), None
         return None if held is None else held[1]
 
     # -- the protocol, delegated ------------------------------------------------------------
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._read = None
         return self.inner.update(key, value)
 
     def seq_length(self) -> int:
@@ -58,18 +69,23 @@ class CrossAttention(KVLayer):
         self.inner.validate_crop(n)
 
     def crop(self, n: int) -> None:
+        self._read = None
         self.inner.crop(n)
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
+        self._read = None
         self.inner.reorder(beam_idx)
 
     def select(self, indices: torch.Tensor) -> None:
+        self._read = None
         self.inner.select(indices)
 
     def repeat_interleave(self, repeats: int) -> None:
+        self._read = None
         self.inner.repeat_interleave(repeats)
 
     def reset(self) -> None:
+        self._read = None
         self.inner.reset()
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -82,6 +98,7 @@ class CrossAttention(KVLayer):
         self.inner.prefetch()
 
     def set_recording(self, on: bool) -> None:
+        self._read = None
         self.inner.set_recording(on)
 
     @property
@@ -89,4 +106,5 @@ class CrossAttention(KVLayer):
         return self.inner.record_past
 
     def close(self) -> None:
+        self._read = None
         self.inner.close()
