@@ -201,3 +201,25 @@ def test_cross_layers_expose_keys_and_values_only_when_filled():
     with pytest.raises(CacheError, match="layer 0"):
         cache.cross_attention_cache.update(k[:, :1], k[:, :1], 0)  # other heads than it holds: refused, named
     assert layer.keys.shape == (1, 2, 9, 16)
+
+
+@pytest.mark.parametrize("policy", ["fp", "cross-int4-host"])
+def test_deepcopy_forks_both_halves(policy):
+    """``copy.deepcopy`` (transformers' prefix-reuse recipe) gives an independent encoder-decoder cache."""
+    import copy
+
+    section = LOSSLESS.get(policy, LOSSY.get(policy, (None,))[0])
+    model, inputs = build_seq2seq("bart"), seq2seq_inputs("bart")
+    cache = TieredCache.for_encoder_decoder(section, model.config)
+    teacher_forced(model, cache, inputs, 4)
+    twin = copy.deepcopy(cache)
+    assert type(twin) is type(cache) and twin.is_updated == cache.is_updated
+    assert all(torch.equal(a, b) for x, y in zip(twin.to_legacy(), cache.to_legacy()) for a, b in zip(x, y))
+    twin.crop(-2)  # writing to one never shows in the other
+    assert (twin.get_seq_length(), cache.get_seq_length()) == (2, 4)
+    with torch.no_grad():
+        enc = model.get_encoder()(**inputs)
+        nxt, fork = torch.full((2, 1), 5), copy.deepcopy(cache)
+        a = model(encoder_outputs=enc, decoder_input_ids=nxt, past_key_values=cache).logits
+        b = model(encoder_outputs=enc, decoder_input_ids=nxt, past_key_values=fork).logits
+    assert torch.equal(a, b)

@@ -137,6 +137,7 @@ def build_layer(lp: LayerPolicy, shared: Shared, padded: bool = False) -> KVLaye
         from tiercache.processors.cross import CrossAttention
 
         layer = CrossAttention(layer, fresh_reads=lp.quantize is not None)
+    layer.policy = lp  # each chain knows the LayerPolicy it was built from
     return layer
 
 

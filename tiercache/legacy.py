@@ -22,13 +22,13 @@ What a past means (``TieredCache.from_legacy`` / ``to_legacy``):
 - A KV-sharing ``reuse`` layer (Gemma 3n / 4) is never written by the model: its pair may be
   ``(None, None)`` or tensors, and is not stored; ``export`` gives ``(None, None)`` for it.
 - ``None`` or ``()`` is the empty past: an empty cache, and an empty cache exports ``()``.
-- Each layer is loaded as one bulk update of its tokens. Quantized layers end in the same state
-  as after any prefill of ``seen`` tokens (the KIVI residual rule depends on the count alone).
-  Until layers speak ``ingest(k, v, seen)``, a sliding layer that holds fewer than ``seen``
-  tokens is fed zeros before them so it counts ``seen`` (they slide out at once: only the
-  quantized block statistics of a quantized sliding layer see them).
+- Each layer is loaded by the layer protocol's bulk load, ``ingest(k, v, seen)``, not by
+  attention steps. Quantized layers end in the same state as after any prefill of ``seen``
+  tokens (the KIVI residual rule depends on the count alone). A quantized sliding layer given a
+  trimmed past fills the part of its oldest block that the past no longer has with copies of
+  the oldest token it has (outside the window, but in that block's statistics).
 - A quantized sliding layer keeps whole blocks, so it may export up to a block more than
-  ``window - 1`` tokens; those older than what a trimmed past held are the zeros it was fed.
+  ``window - 1`` tokens; those older than what a trimmed past held are those copies.
 - Encoder-decoder models (``ModelSpec.cross_attention``): four tensors per layer; the cross
   half holds the encoder's tokens, all layers alike. ``from_legacy`` then returns the
   ``EncoderDecoderCache`` of ``TieredCache.for_encoder_decoder`` with both halves filled (and
@@ -104,19 +104,18 @@ def fill(cache, past, seen: int) -> None:
 
 
 def _load(cache, i: int, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
-    """One layer, one bulk write (the line to swap for ``cache.layers[i].ingest(key, value, seen)``)."""
-    missing = seen - key.shape[2]
-    if missing:  # a trimmed sliding layer: count the tokens it no longer holds
-        key = torch.cat([key.new_zeros(*key.shape[:2], missing, key.shape[3]), key], dim=2)  # [B, H, seen, Dk]
-        value = torch.cat([value.new_zeros(*value.shape[:2], missing, value.shape[3]), value], dim=2)
-    cache.update(key, value, i)
+    """One layer, one bulk load; a refusal names the layer."""
+    try:
+        cache.layers[i].ingest(key, value, seen)
+    except CacheError as e:
+        raise CacheError(f"layer {i}: {e}") from None
 
 
 def export(layers) -> tuple:
     held = []
     for layer in layers:
-        kv = layer.kv()  # an offloaded layer's views live in a mirror slot the next layer may reuse:
-        held.append(None if kv is None else (kv[0].clone(), kv[1].clone()))  # copy before the next kv()
+        kv = layer.export()  # [B, H, S, D] views of storage for some layers: a legacy tuple is a copy
+        held.append(None if kv is None else (kv[0].clone(), kv[1].clone()))
     if all(kv is None for kv in held):
         return ()
     return tuple((None, None) if kv is None else kv for kv in held)

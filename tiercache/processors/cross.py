@@ -94,6 +94,27 @@ class CrossAttention(KVLayer):
     def nbytes(self) -> dict[str, int]:
         return self.inner.nbytes()
 
+    def tier_nbytes(self) -> dict[str, int]:
+        return self.inner.tier_nbytes()
+
+    def batch_size(self) -> int | None:
+        return self.inner.batch_size()
+
+    # -- lifecycle: no state of its own, so the wrapped chain's state as it is (no prefix) ----
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._read = None
+        self.inner.load_state_dict(sd)
+
+    def export(self):
+        return self.inner.export()
+
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
+        self._read = None
+        self.inner.ingest(key, value, seen)
+
     def prefetch(self) -> None:
         self.inner.prefetch()
 
