@@ -18,6 +18,11 @@ Lifecycle (``tiercache.lifecycle``): ``fork()`` (also ``copy.deepcopy`` / ``copy
 independent copy, ``retier(policy)`` moves the cache to another policy in place, ``save(path,
 token_ids=None)`` / ``TieredCache.load(path, model_config, policy=None)`` persist it. All go
 through the layer protocol (``state_dict`` / ``load_state_dict``, ``export`` / ``ingest``).
+
+Legacy tuples (``tiercache.legacy``): ``TieredCache.from_legacy(past, policy, config)`` and
+``cache.to_legacy()``. Encoder-decoder models: ``TieredCache.for_encoder_decoder(policy, config)``
+returns a ``TieredEncoderDecoderCache`` (transformers' ``EncoderDecoderCache`` of two
+TieredCaches; the cross-attention half per ``tiercache.cross_attention``).
 """
 
 from __future__ import annotations
@@ -77,33 +82,11 @@ class TieredCache(Cache):
         """A cache holding a legacy past: a tuple of per-layer ``(key, value)`` tensors ``[B, H, S, D]``
         (old transformers' ``past_key_values``). ``seq_length``: the tokens the past stands for, when
         its layers are all sliding and trimmed (see ``tiercache.legacy``). Bad input is a
-        ``CacheError`` before anything is built."""
+        ``CacheError`` before anything is built. Encoder-decoder models: four tensors per layer,
+        and the cache of ``for_encoder_decoder`` comes back."""
         from tiercache import legacy
 
-        policy = load_policy(policy)
-        model = _spec(model_config)
-        if model.cross_attention:  # -> TieredEncoderDecoderCache, both halves filled
-            halves = legacy.split(past, model)
-            sizes = [legacy.check_past(halves[0], model, policy, seq_length)]
-            try:  # cross-attention: full storage, all layers hold the encoder's tokens
-                sizes.append(legacy.check_past(halves[1], model, Policy()))
-            except CacheError as e:
-                raise CacheError(f"cross-attention half: {e}") from None
-            cache = cls.for_encoder_decoder(policy, model)
-            parts = zip((cache.self_attention_cache, cache.cross_attention_cache), halves, sizes)
-        else:
-            seen, batch = legacy.check_past(past, model, policy, seq_length)
-            cache = cls.from_policy(policy, model, batch_size=max(batch, 1), context_length=max(seen, 1))
-            parts = [(cache, past, (seen, batch))]
-        try:
-            for half, half_past, (seen, _) in parts:
-                legacy.fill(half, half_past, seen)
-        except CacheError:
-            cache.close()
-            raise
-        if model.cross_attention:
-            cache.is_updated = {i: cache.cross_attention_cache.get_seq_length(i) > 0 for i in range(model.num_layers)}
-        return cache
+        return legacy.build(cls, past, load_policy(policy), _spec(model_config), seq_length)
 
     def to_legacy(self) -> tuple:
         """Per layer ``(keys, values)`` at full precision, fresh tensors (``()`` when empty)."""
@@ -360,12 +343,10 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
     def to_legacy(self) -> tuple:
         """Per layer ``(self key, self value, cross key, cross value)`` at full precision, fresh
         tensors (``()`` when empty); ``TieredCache.from_legacy`` takes it back."""
-        own, cross = self.self_attention_cache.to_legacy(), self.cross_attention_cache.to_legacy()
-        if not own and not cross:
-            return ()
-        n = len(self.self_attention_cache.layers)
-        own, cross = own or ((None, None),) * n, cross or ((None, None),) * n
-        return tuple((*a, *b) for a, b in zip(own, cross))
+        from tiercache import legacy
+
+        return legacy.join(self.self_attention_cache.to_legacy(), self.cross_attention_cache.to_legacy(),
+                           len(self.self_attention_cache.layers))
 
     def close(self) -> None:
         self.self_attention_cache.close()

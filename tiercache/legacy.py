@@ -1,5 +1,8 @@
 """The legacy cache format: a tuple with one ``(key, value)`` pair of ``[B, H, S, D]`` tensors per layer.
 
+    build(cls, past, policy, model, seq_length=None) -> cache
+        what ``TieredCache.from_legacy`` returns (``cls`` is TieredCache): checked, then filled;
+        for an encoder-decoder model the cache of ``cls.for_encoder_decoder``.
     check_past(past, model, policy, seq_length=None) -> (seen, batch)
         validate a legacy past against a ``ModelSpec`` and a ``Policy`` before anything is built;
         ``CacheError`` naming the layer and what was expected otherwise.
@@ -7,9 +10,10 @@
         load each layer of a fresh ``TieredCache`` from its pair, once.
     export(layers) -> tuple[(keys, values), ...]
         each layer's K/V at full precision, as fresh tensors.
-    split(past, model) -> (self_past, cross_past)
+    split(past, model) -> (self_past, cross_past) / join(self_past, cross_past, n) -> past
         an encoder-decoder past (per layer ``(self key, self value, cross key, cross value)``, as
-        transformers' ``EncoderDecoderCache`` iterated and old transformers returned) in halves.
+        transformers' ``EncoderDecoderCache`` iterates and old transformers returned) in halves,
+        and back.
 
 What a past means (``TieredCache.from_legacy`` / ``to_legacy``):
 - ``seen``, the tokens the past stands for, is ``seq_length`` when given, else the longest
@@ -46,6 +50,31 @@ import torch
 from tiercache.errors import CacheError
 from tiercache.model_spec import ModelSpec
 from tiercache.policy import Policy
+
+
+def build(cls, past, policy: Policy, model: ModelSpec, seq_length: int | None = None):
+    if model.cross_attention:  # -> the EncoderDecoderCache of for_encoder_decoder, both halves filled
+        halves = split(past, model)
+        sizes = [check_past(halves[0], model, policy, seq_length)]
+        try:  # cross-attention: full storage, all layers hold the encoder's tokens
+            sizes.append(check_past(halves[1], model, Policy()))
+        except CacheError as e:
+            raise CacheError(f"cross-attention half: {e}") from None
+        cache = cls.for_encoder_decoder(policy, model)
+        parts = list(zip((cache.self_attention_cache, cache.cross_attention_cache), halves, sizes))
+    else:
+        seen, batch = check_past(past, model, policy, seq_length)
+        cache = cls.from_policy(policy, model, batch_size=max(batch, 1), context_length=max(seen, 1))
+        parts = [(cache, past, (seen, batch))]
+    try:
+        for half, half_past, (seen, _) in parts:
+            fill(half, half_past, seen)
+    except CacheError:
+        cache.close()
+        raise
+    if model.cross_attention:  # the model reads cross-attention back instead of writing it again
+        cache.is_updated = {i: cache.cross_attention_cache.get_seq_length(i) > 0 for i in range(model.num_layers)}
+    return cache
 
 
 def check_past(past, model: ModelSpec, policy: Policy, seq_length: int | None = None) -> tuple[int, int]:
@@ -165,3 +194,11 @@ def split(past, model: ModelSpec) -> tuple:
                              f"(self-attention key, value, cross-attention key, value), got {got}")
     halves = tuple(tuple(e[:2]) for e in past), tuple(tuple(e[2:]) for e in past)
     return tuple(None if all(t is None for pair in h for t in pair) else h for h in halves)  # an empty half
+
+
+def join(own: tuple, cross: tuple, n: int) -> tuple:
+    """Per layer ``(self key, self value, cross key, cross value)``; ``()`` when both halves are empty."""
+    if not own and not cross:
+        return ()
+    own, cross = own or ((None, None),) * n, cross or ((None, None),) * n
+    return tuple((*a, *b) for a, b in zip(own, cross))
