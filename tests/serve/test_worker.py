@@ -271,3 +271,27 @@ def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_dropped(tiny, 
         assert text == codec.decode(reference(model, p, 5))
     finally:
         w2.stop()
+
+
+def test_a_failing_step_fails_only_its_request(tiny):
+    model, codec = tiny
+    w = make_worker(tiny)
+    real, calls = w.forward, []
+
+    def flaky(ids, cache):
+        calls.append(len(ids))
+        if len(calls) == 2:  # the first request's first decode step
+            raise RuntimeError("device lost")
+        return real(ids, cache)
+
+    w.forward = flaky
+    w.start()
+    try:
+        with pytest.raises(APIError, match="device lost") as e:
+            Call(w, ids_of(5, 20), 4).result()
+        assert e.value.status == 500 and len(w.store) == 0  # nothing half-done was stored
+        p = ids_of(6, 20)
+        assert Call(w, p, 4).result()[0] == codec.decode(reference(model, p, 4))
+        assert w.counters["failed"] == 1
+    finally:
+        w.stop()

@@ -201,22 +201,33 @@ class Worker:
                 except queue.Empty:
                     return
             self._waiting = None
-            if job.cancelled.is_set():
-                continue
-            if time.perf_counter() > job.deadline:
-                job.emit("error", error=APIError(504, f"the request timed out after {self.timeout:g}s in the queue",
-                                                 code="timeout"))
-                continue
-            if self.store is not None:
-                self.store.lookup(job.ids)  # the entry it will use goes last in the LRU line
-                if not self.store.reserve(job.need):
-                    if self._active:  # room comes back when an active request finishes
-                        self._waiting = job
-                        return
-                    job.emit("error", error=APIError(507, "not enough room in the store's budget for this request",
-                                                     code="kv_budget_exceeded"))
-                    continue
-            self._active.append(Sequence(job, self))
+            try:
+                if not self._admit_one(job):
+                    self._waiting = job
+                    return
+            except Exception as e:  # noqa: BLE001 - the loop must go on
+                log.exception("admitting a request failed")
+                self.counters["failed"] += 1
+                job.emit("error", error=APIError(500, f"could not start: {type(e).__name__}: {e}", code="internal_error"))
+
+    def _admit_one(self, job: Job) -> bool:
+        """Start ``job`` (or drop it, answered); False when it must wait for room."""
+        if job.cancelled.is_set():
+            return True
+        if time.perf_counter() > job.deadline:
+            job.emit("error", error=APIError(504, f"the request timed out after {self.timeout:g}s in the queue",
+                                             code="timeout"))
+            return True
+        if self.store is not None:
+            self.store.lookup(job.ids)  # the entry it will use goes last in the LRU line
+            if not self.store.reserve(job.need):
+                if self._active:  # room comes back when an active request finishes
+                    return False
+                job.emit("error", error=APIError(507, "not enough room in the store's budget for this request",
+                                                 code="kv_budget_exceeded"))
+                return True
+        self._active.append(Sequence(job, self))
+        return True
 
     def _advance(self, seq: Sequence) -> None:
         job = seq.job
