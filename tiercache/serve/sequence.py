@@ -46,7 +46,7 @@ class Sequence:
         self.generated: list[int] = []
         self.text = TextStream(worker.codec.decode, req.stop)
         self.generator = torch.Generator(device=worker.device)
-        self.generator.manual_seed(req.seed if req.seed is not None else random.getrandbits(63))
+        self.generator.manual_seed(req.seed % 2**63 if req.seed is not None else random.getrandbits(63))  # any int seeds
         self.done = False
         self.finish_reason = None
         self.t_first = None
