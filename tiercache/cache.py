@@ -99,8 +99,9 @@ class TieredCache(Cache):
         """What ``generate(past_key_values=...)`` takes for BART, T5, Whisper ...: an
         ``EncoderDecoderCache`` of two TieredCaches, the decoder's self-attention following the
         policy, the cross-attention its ``cross_attention:`` section (default full precision)."""
-        from tiercache.cross_attention import cross_layer_policies
+        from tiercache.cross_attention import check_supported, cross_layer_policies
 
+        check_supported(model_config)
         policy = load_policy(policy)
         model = _spec(model_config)
         cross_layers = cross_layer_policies(policy, model)  # PolicyError for a decoder-only model
