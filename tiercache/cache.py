@@ -107,7 +107,7 @@ class TieredCache(Cache):
         cross_layers = cross_layer_policies(policy, model)  # PolicyError for a decoder-only model
         self_attention = cls.from_policy(policy, model)
         layers, shared = build_layers(cross_layers)
-        cross = cls(layers, policy, model, shared, model_type_of(model_config))
+        cross = CrossAttentionCache(layers, policy, model, shared, model_type_of(model_config))
         return TieredEncoderDecoderCache(self_attention, cross)
 
     # -- the write path --------------------------------------------------------------------------
@@ -316,6 +316,21 @@ class TieredCache(Cache):
                 getattr(self.layers[i], method)(*args)
             except CacheError as e:
                 raise CacheError(f"layer {i}: {e}") from None
+
+
+class CrossAttentionCache(TieredCache):
+    """The cross-attention half of a ``TieredEncoderDecoderCache``: its layers follow the policy's
+    ``cross_attention`` section (``tiercache.cross_attention``), not ``policy.resolve``, so the
+    operations that rebuild layers from a policy refuse it for now; ``fork`` (each layer's own
+    policy) and everything else work."""
+
+    def retier(self, policy) -> None:
+        raise CacheError("retier: not supported on the cross-attention half of an encoder-decoder cache yet "
+                         "(its layers follow the policy's cross_attention section); retier the self-attention half")
+
+    def save(self, path, token_ids=None) -> None:
+        raise CacheError("save: not supported on the cross-attention half of an encoder-decoder cache yet; "
+                         "to_legacy() gives its K/V")
 
 
 class TieredEncoderDecoderCache(EncoderDecoderCache):
