@@ -175,6 +175,8 @@ def _bad_inputs():
         "static too small": (p, static, None, "more than static max_length 4"),
         "seq_length below held": (p, {}, 4, "seq_length 4 is less than the 5 tokens"),
         "seq_length not an int": (p, {}, 5.0, "seq_length must be an int"),
+        "seq_length of an empty past": (None, {}, 3, "an empty past stands for no tokens"),
+        "non-contiguous but wrong heads": (((k.transpose(1, 2), k.transpose(1, 2)),) + p[1:], {}, None, "got 5 heads"),
     }
 
 
@@ -232,3 +234,12 @@ def test_encoder_decoder_pasts_are_checked_per_half():
     with pytest.raises(CacheError, match="cross-attention half: from_legacy: layer 2 holds 2 tokens, expected 5"):
         TieredCache.from_legacy(bad_cross, {}, config)
     assert TieredCache.for_encoder_decoder({}, config).to_legacy() == ()
+
+
+def test_non_contiguous_pasts_round_trip():
+    """Transposed views (how some code builds K/V) load like contiguous tensors."""
+    past = tuple((torch.randn(1, 5, 2, 16).transpose(1, 2), torch.randn(1, 2, 16, 5).transpose(2, 3)) for _ in range(3))
+    for name in LOSSLESS:
+        cache = TieredCache.from_legacy(past, POLICIES[name], build("llama").config)
+        assert same(cache.to_legacy(), past), name
+        cache.close()
