@@ -49,6 +49,8 @@ def retier(cache, policy) -> None:
     before = [layer.policy for layer in cache.layers]
     new_layers, shared = build_layers(targets)
     old_shared, moved = cache._shared, []
+    if old_shared is not None:  # the old workspace and mirrors are not read while moving (made again on use)
+        old_shared.close()
     try:
         for i, new in enumerate(new_layers):
             _move(cache.layers[i], new, f"retier: layer {i}")
@@ -61,8 +63,6 @@ def retier(cache, policy) -> None:
         for new in new_layers[len(moved):]:
             new.close()
         raise
-    if old_shared is not None:
-        old_shared.close()
     cache._shared = shared
     cache.policy = policy
 

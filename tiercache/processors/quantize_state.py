@@ -62,7 +62,8 @@ def load_state_dict(q, sd: dict) -> None:
 def export(q):
     if q.spec is None:
         return None
-    k, v = q._assemble(q._held_blocks(), None, None, workspace=False)  # fresh [B, H, S, D]
+    rows = q.store.export() if q.stored else None  # the store's protocol: no fetch to a device mirror
+    k, v = q._assemble(None if rows is None else rows[:2], None, None, workspace=False)  # fresh [B, H, S, D]
     return k, v, q.seen
 
 
@@ -89,7 +90,7 @@ def ingest(q, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
     q.reset()
     try:
         if total:
-            rows = [c.encode(t.narrow(2, 0, kept * g)) for c, t in zip(codecs, (key, value))]  # [B, H, N, row]
+            rows = [_encode(c, t.narrow(2, 0, kept * g), g) for c, t in zip(codecs, (key, value))]  # [B, H, N, row]
             q.store.ingest(rows[0], rows[1], total)
         q.residual.replace(0, key.narrow(2, kept * g, r), value.narrow(2, kept * g, r))
     except CacheError:
@@ -115,6 +116,19 @@ def adopt(q, other) -> None:
         q.reset()
         raise
     q.spec, q.codecs, q.seen, q.stored = other.spec, q._codecs(other.spec), other.seen, other.stored
+
+
+def _encode(codec, x: torch.Tensor, g: int, parts: int = 8) -> torch.Tensor:
+    """``codec.encode(x)`` in a few runs of blocks (blocks are independent, so the bytes are the
+    same): the encoder's temporaries stay a fraction of the layer, not a full-precision copy."""
+    b, h, t, _ = x.shape
+    n = t // g
+    rows = torch.empty((b, h, n, codec.row_bytes), dtype=torch.uint8, device=x.device)  # [B, H, N, row]
+    step = max(1, -(-n // parts))
+    for at in range(0, n, step):
+        m = min(step, n - at)
+        rows.narrow(2, at, m).copy_(codec.encode(x.narrow(2, at * g, m * g)))
+    return rows
 
 
 def _pad_front(t: torch.Tensor, n: int) -> torch.Tensor:
