@@ -250,6 +250,10 @@ class TieredCache(Cache):
                 raise
         return cache
 
+    def shared_buffers(self) -> list[torch.Tensor]:
+        """The tensors behind ``shared_nbytes()`` (e.g. for ``tiercache.lifecycle.AllocationMeter``)."""
+        return self._shared.buffers() if self._shared is not None else []
+
     def __repr__(self) -> str:
         return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
 
