@@ -280,12 +280,13 @@ class TieredCache(Cache):
         save(self, path, token_ids)
 
     @classmethod
-    def load(cls, path, model_config, *, policy=None) -> "TieredCache":
-        """A cache saved by ``save``, for this model; ``policy=`` re-tiers it on the way in."""
+    def load(cls, path, model_config, *, policy=None, device=None) -> "TieredCache":
+        """A cache saved by ``save``, for this model; ``policy=`` re-tiers it on the way in,
+        ``device=`` sets the compute device (default: the one it was saved from)."""
         from tiercache.lifecycle.persist import load
 
         model = model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
-        cache = load(cls, path, model, model_type_of(model_config))
+        cache = load(cls, path, model, model_type_of(model_config), device)
         if policy is not None:
             try:
                 cache.retier(policy)
@@ -293,6 +294,10 @@ class TieredCache(Cache):
                 cache.close()
                 raise
         return cache
+
+    def shared_buffers(self) -> list[torch.Tensor]:
+        """The tensors behind ``shared_nbytes()`` (e.g. for ``tiercache.lifecycle.AllocationMeter``)."""
+        return self._shared.buffers() if self._shared is not None else []
 
     def __repr__(self) -> str:
         return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
