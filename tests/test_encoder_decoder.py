@@ -223,3 +223,40 @@ def test_deepcopy_forks_both_halves(policy):
         a = model(encoder_outputs=enc, decoder_input_ids=nxt, past_key_values=cache).logits
         b = model(encoder_outputs=enc, decoder_input_ids=nxt, past_key_values=fork).logits
     assert torch.equal(a, b)
+
+
+def test_a_composite_encoder_decoder_config_uses_its_decoder_config():
+    """EncoderDecoderModel (BERT encoder, GPT-2 decoder with cross-attention): read from config.decoder."""
+    import transformers as tf
+
+    enc = tf.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    dec = tf.GPT2Config(vocab_size=128, n_embd=48, n_layer=3, n_head=4, add_cross_attention=True, is_decoder=True,
+                        bos_token_id=2, eos_token_id=1)
+    config = tf.EncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 2, 0, 1
+    torch.manual_seed(0)
+    model = tf.EncoderDecoderModel(config=config).eval()
+    inputs = seq2seq_inputs("bart")
+    cache = TieredCache.for_encoder_decoder({"cross_attention": {"offload": {"device": "cpu"}}}, model.config)
+    assert len(cache.self_attention_cache.layers) == 3 and cache.self_attention_cache.model.kv_shape(0) == (4, 12, 12)
+    assert torch.equal(gen(model, cache, inputs), gen(model, reference(), inputs))
+
+
+def test_t5gemma_is_refused_with_the_reason():
+    import transformers as tf
+
+    config = tf.T5GemmaConfig(encoder=tf.T5GemmaModuleConfig(num_hidden_layers=1), vocab_size=128)
+    with pytest.raises(PolicyError, match="t5gemma is not supported .* replaces the cross-attention cache"):
+        TieredCache.for_encoder_decoder({}, config)
+
+
+def test_the_cross_half_refuses_what_would_rebuild_it_as_self_attention(tmp_path):
+    model, inputs = build_seq2seq("bart"), seq2seq_inputs("bart")
+    cache = TieredCache.for_encoder_decoder({}, model.config)
+    teacher_forced(model, cache, inputs, 3)
+    before = cache.to_legacy()
+    for op in (lambda c: c.retier({"quantize": {"bits": 4}}), lambda c: c.save(tmp_path / "x")):
+        with pytest.raises(CacheError, match="cross-attention half"):
+            op(cache.cross_attention_cache)
+    assert all(torch.equal(a, b) for x, y in zip(before, cache.to_legacy()) for a, b in zip(x, y))
+    assert not any(tmp_path.iterdir())

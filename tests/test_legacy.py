@@ -175,6 +175,8 @@ def _bad_inputs():
         "static too small": (p, static, None, "more than static max_length 4"),
         "seq_length below held": (p, {}, 4, "seq_length 4 is less than the 5 tokens"),
         "seq_length not an int": (p, {}, 5.0, "seq_length must be an int"),
+        "seq_length of an empty past": (None, {}, 3, "an empty past stands for no tokens"),
+        "non-contiguous but wrong heads": (((k.transpose(1, 2), k.transpose(1, 2)),) + p[1:], {}, None, "got 5 heads"),
     }
 
 
@@ -232,3 +234,42 @@ def test_encoder_decoder_pasts_are_checked_per_half():
     with pytest.raises(CacheError, match="cross-attention half: from_legacy: layer 2 holds 2 tokens, expected 5"):
         TieredCache.from_legacy(bad_cross, {}, config)
     assert TieredCache.for_encoder_decoder({}, config).to_legacy() == ()
+
+
+def test_non_contiguous_pasts_round_trip():
+    """Transposed views (how some code builds K/V) load like contiguous tensors."""
+    past = tuple((torch.randn(1, 5, 2, 16).transpose(1, 2), torch.randn(1, 2, 16, 5).transpose(2, 3)) for _ in range(3))
+    for name in LOSSLESS:
+        cache = TieredCache.from_legacy(past, POLICIES[name], build("llama").config)
+        assert same(cache.to_legacy(), past), name
+        cache.close()
+
+
+PLANNED = {"fp": {}, "static": {"storage": "static", "max_length": 1000}, "host": {"offload": {"device": "cpu"}},
+           "int4": {"quantize": {**Q4, "group_size": 32, "residual_length": 64}},
+           "int4-host-all": {"quantize": {**Q4, "group_size": 32, "residual_length": 64}, "offload": {"device": "cpu"},
+                             "overrides": [{"layer_type": "sliding_attention", "offload": {"device": "cpu"}}]}}
+
+
+@pytest.mark.parametrize("name", list(PLANNED))
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_the_planner_predicts_a_cache_loaded_from_a_legacy_past(family, name, monkeypatch):
+    """Exact once decoding has packed a block; right after the load, offload slots may be smaller
+    (fetched from exactly sized host rows), never larger."""
+    from tiercache.planner import plan, tier_bytes
+    from tiercache.tiers import HostTier
+
+    monkeypatch.setattr(HostTier, "place", lambda self, device: "host")  # host tier apart from the CPU "device"
+    config, policy, seen = build(family).config, dict(PLANNED[name]), 700
+    if family == "llama":
+        policy.pop("overrides", None)  # no sliding layers to name
+    types = config.layer_types if getattr(config, "layer_types", None) else ["full_attention"] * 3
+    g = torch.Generator().manual_seed(0)
+    past = tuple((torch.randn(2, 2, seen if t == "full_attention" else 7, 16, generator=g),) * 2 for t in types)
+    cache = TieredCache.from_legacy(past, policy, config)
+    for step in range(40):  # one-token decode steps; a block of 32 is packed on the way
+        for i in range(len(types)):
+            cache.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), i)
+        real, planned = tier_bytes(cache.nbytes(), "cpu"), plan(policy, config, 2, seen + step + 1).bytes
+        assert all(real[t] <= planned[t] for t in real), (step, real, planned)
+    assert real == planned

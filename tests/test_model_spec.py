@@ -147,3 +147,15 @@ def test_encoder_decoder_configs_are_read_for_their_decoder(name, tmp_path):
     local = resolve_model(str(tmp_path))
     assert (local.num_layers, local.kv_shape(0), local.cross_attention) == (layers, shape, True)
     assert not ModelSpec.from_config(CONFIGS["llama"]()).cross_attention
+
+
+def test_composite_configs_read_their_decoder_config():
+    """T5Gemma's decoder has GQA and sliding layers of its own: read from config.decoder as a decoder config."""
+    mod = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+               sliding_window=4)
+    config = tf.T5GemmaConfig(encoder=tf.T5GemmaModuleConfig(num_hidden_layers=2, **mod),
+                              decoder=tf.T5GemmaModuleConfig(num_hidden_layers=3, layer_types=[
+                                  "sliding_attention", "full_attention", "sliding_attention"], **mod), vocab_size=128)
+    spec = ModelSpec.from_config(config)
+    assert (spec.num_layers, spec.kv_shape(0), spec.sliding_window, spec.cross_attention) == (3, (2, 8, 8), 4, True)
+    assert spec.layer_types == ("sliding_attention", "full_attention", "sliding_attention")

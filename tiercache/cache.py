@@ -99,14 +99,15 @@ class TieredCache(Cache):
         """What ``generate(past_key_values=...)`` takes for BART, T5, Whisper ...: an
         ``EncoderDecoderCache`` of two TieredCaches, the decoder's self-attention following the
         policy, the cross-attention its ``cross_attention:`` section (default full precision)."""
-        from tiercache.cross_attention import cross_layer_policies
+        from tiercache.cross_attention import check_supported, cross_layer_policies
 
+        check_supported(model_config)
         policy = load_policy(policy)
         model = _spec(model_config)
         cross_layers = cross_layer_policies(policy, model)  # PolicyError for a decoder-only model
         self_attention = cls.from_policy(policy, model)
         layers, shared = build_layers(cross_layers)
-        cross = cls(layers, policy, model, shared, model_type_of(model_config))
+        cross = CrossAttentionCache(layers, policy, model, shared, model_type_of(model_config))
         return TieredEncoderDecoderCache(self_attention, cross)
 
     # -- the write path --------------------------------------------------------------------------
@@ -279,12 +280,13 @@ class TieredCache(Cache):
         save(self, path, token_ids)
 
     @classmethod
-    def load(cls, path, model_config, *, policy=None) -> "TieredCache":
-        """A cache saved by ``save``, for this model; ``policy=`` re-tiers it on the way in."""
+    def load(cls, path, model_config, *, policy=None, device=None) -> "TieredCache":
+        """A cache saved by ``save``, for this model; ``policy=`` re-tiers it on the way in,
+        ``device=`` sets the compute device (default: the one it was saved from)."""
         from tiercache.lifecycle.persist import load
 
         model = model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
-        cache = load(cls, path, model, model_type_of(model_config))
+        cache = load(cls, path, model, model_type_of(model_config), device)
         if policy is not None:
             try:
                 cache.retier(policy)
@@ -292,6 +294,10 @@ class TieredCache(Cache):
                 cache.close()
                 raise
         return cache
+
+    def shared_buffers(self) -> list[torch.Tensor]:
+        """The tensors behind ``shared_nbytes()`` (e.g. for ``tiercache.lifecycle.AllocationMeter``)."""
+        return self._shared.buffers() if self._shared is not None else []
 
     def __repr__(self) -> str:
         return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
@@ -315,6 +321,21 @@ class TieredCache(Cache):
                 getattr(self.layers[i], method)(*args)
             except CacheError as e:
                 raise CacheError(f"layer {i}: {e}") from None
+
+
+class CrossAttentionCache(TieredCache):
+    """The cross-attention half of a ``TieredEncoderDecoderCache``: its layers follow the policy's
+    ``cross_attention`` section (``tiercache.cross_attention``), not ``policy.resolve``, so the
+    operations that rebuild layers from a policy refuse it for now; ``fork`` (each layer's own
+    policy) and everything else work."""
+
+    def retier(self, policy) -> None:
+        raise CacheError("retier: not supported on the cross-attention half of an encoder-decoder cache yet "
+                         "(its layers follow the policy's cross_attention section); retier the self-attention half")
+
+    def save(self, path, token_ids=None) -> None:
+        raise CacheError("save: not supported on the cross-attention half of an encoder-decoder cache yet; "
+                         "to_legacy() gives its K/V")
 
 
 class TieredEncoderDecoderCache(EncoderDecoderCache):

@@ -87,6 +87,11 @@ class Shared:
             at += n
         return out
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The shared tensors held now (workspaces, prefetch slots): what a memory meter watches."""
+        slots = [] if self._prefetcher is None else [s.data for s in self._prefetcher.slots if s.data is not None]
+        return [*self._workspaces.values(), *slots]
+
     def workspace_nbytes(self) -> dict[str, int]:
         """Bytes of the dequantization workspaces, per place (part of ``nbytes()``)."""
         from tiercache.tiers import place_of

@@ -1,5 +1,7 @@
 """Cross-attention layers of encoder-decoder models: what the policy gives them.
 
+    check_supported(model_config)
+        ``PolicyError`` for the model types in ``UNSUPPORTED`` (T5Gemma, T5Gemma 2), saying why.
     cross_layer_policies(policy, model) -> list[LayerPolicy]
         one per decoder layer of ``model`` (a ``ModelSpec`` with ``cross_attention``), from the
         policy's optional ``cross_attention:`` section (``CrossAttentionPolicy``): ``quantize``
@@ -19,6 +21,18 @@ from tiercache.model_spec import ModelSpec
 from tiercache.policy import CrossAttentionPolicy, LayerPolicy, Policy
 
 CROSS_ATTENTION = "cross_attention"
+# model_type -> why a tiered cross-attention half cannot be served (TieredCache.for_encoder_decoder refuses)
+UNSUPPORTED = {
+    name: "its generate() replaces the cross-attention cache by one it builds itself (type(cache)(config=...)), "
+          "which would drop the policy's cross_attention section"
+    for name in ("t5gemma", "t5gemma2")
+}
+
+
+def check_supported(model_config) -> None:
+    model_type = getattr(model_config, "model_type", None)
+    if model_type in UNSUPPORTED:
+        raise PolicyError(f"{model_type} is not supported by TieredCache.for_encoder_decoder: {UNSUPPORTED[model_type]}")
 
 
 def cross_layer_policies(policy: Policy, model: ModelSpec) -> list[LayerPolicy]:

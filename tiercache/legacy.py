@@ -82,7 +82,9 @@ def check_past(past, model: ModelSpec, policy: Policy, seq_length: int | None = 
     if seq_length is not None and (not isinstance(seq_length, int) or isinstance(seq_length, bool) or seq_length < 0):
         raise CacheError(f"from_legacy: seq_length must be an int >= 0 (tokens the past stands for), got {seq_length!r}")
     if past is None or (isinstance(past, (tuple, list)) and len(past) == 0):
-        return (seq_length or 0), 0
+        if seq_length:
+            raise CacheError(f"from_legacy: an empty past stands for no tokens, got seq_length={seq_length}")
+        return 0, 0
     if not isinstance(past, (tuple, list)):
         raise CacheError(f"from_legacy: past must be a tuple (or list) of {n} (key, value) pairs, one per layer of "
                          f"{model.name}; got {type(past).__name__}")

@@ -19,7 +19,8 @@ model passes to ``cache.update`` (transformers 5.x):
 Encoder-decoder configs (``is_encoder_decoder``: BART, T5, Whisper, Marian, Pegasus ...) are read
 for their *decoder*, whose layers are what the cache holds: ``decoder_layers`` /
 ``num_decoder_layers``, ``decoder_attention_heads`` / ``num_heads``, ``d_kv`` (T5) else ``d_model /
-heads`` (``decoder_view``); ``cross_attention`` is then True: each decoder layer also caches the
+heads`` (``decoder_view``), or a composite config's own ``decoder`` config (``EncoderDecoderConfig``:
+BERT to GPT-2 ...); ``cross_attention`` is then True: each decoder layer also caches the
 encoder output's K/V, of the same ``kv_shape(i)`` (``TieredCache.for_encoder_decoder``).
 KV sharing (``kv_sharing_modes``, Gemma 3n / Gemma 4): a ``"reuse"`` layer never updates the
 cache (it reads another layer's K/V), so it holds nothing; a ``"store"`` layer's returned K/V
@@ -29,7 +30,7 @@ tensors of its own (``kv_sharing(i)``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from tiercache.errors import PolicyError
@@ -74,6 +75,11 @@ class ModelSpec:
     @classmethod
     def from_config(cls, config) -> "ModelSpec":
         cross = getattr(config, "is_encoder_decoder", False) is True
+        sub = getattr(config, "decoder", None) if cross else None
+        if isinstance(sub, dict):
+            sub = SimpleNamespace(**sub)
+        if sub is not None and hasattr(sub, "num_attention_heads"):  # a composite config (EncoderDecoderConfig):
+            return replace(cls.from_config(sub), cross_attention=True)  # its decoder's own config, read as usual
         if cross:  # read before get_text_config, which gives BART a fresh default config
             config = decoder_view(config)
         elif hasattr(config, "get_text_config"):

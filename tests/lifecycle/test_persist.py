@@ -189,3 +189,17 @@ def test_load_never_unpickles(saved, monkeypatch):
     monkeypatch.setattr(torch, "load", refuse)
     loaded = TieredCache.load(path, model.config)
     assert loaded.get_seq_length() == cache.get_seq_length()
+
+
+def test_a_save_from_another_device_is_loaded_where_asked(saved):
+    model, cache, path = saved
+    _rewrite_header(path, lambda m: [layer["state"].__setitem__("spec", {**layer["state"]["spec"], "device": "cuda:0"})
+                                     for layer in m["layers"]])
+    if not torch.cuda.is_available():
+        with pytest.raises(CacheError, match="saved on cuda:0 and CUDA is not available here; pass device='cpu'"):
+            TieredCache.load(path, model.config)
+    loaded = TieredCache.load(path, model.config, device="cpu")
+    nxt = models.prompt(1, 2, seed=9)
+    assert torch.equal(_next(model, loaded, nxt), _next(model, cache, nxt))
+    with pytest.raises(CacheError, match="device must be"):
+        TieredCache.load(path, model.config, device="nowhere")

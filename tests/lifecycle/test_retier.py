@@ -159,7 +159,7 @@ def test_peak_extra_memory_is_about_one_layer_at_full_precision(a, b):
     cache = TieredCache.from_policy({"name": a, **PEAK[a]}, cfg)
     feed(cache, [512])
     layer_fp = 2 * 1 * 4 * 512 * 32 * 4  # K and V, [1, 4, 512, 32] float32
-    with AllocationMeter([*cache.state_dict().values(), *cache._shared._workspaces.values()]) as meter:
+    with AllocationMeter([*cache.state_dict().values(), *cache.shared_buffers()]) as meter:
         cache.retier({"name": b, **PEAK[b]})
     extra = meter.peak - max(meter.net, 0)  # above what the cache holds before or after
     assert extra <= 1.5 * layer_fp, f"peak extra {extra / layer_fp:.2f} layers at full precision"

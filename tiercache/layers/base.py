@@ -59,6 +59,7 @@ Lifecycle (what save / load / fork / retier are made of)
 
 Optional hooks (no-op defaults here)
     prefetch()          start bringing the layer to the compute device (offload)
+    evict()             drop any device copy of the layer (offload); the next use fetches it again
     set_recording(on)   keep tokens a sliding layer would drop until the next crop (assisted decoding)
     close()             release files and buffers for good
 
@@ -145,6 +146,9 @@ class KVLayer(ABC):
 
     def prefetch(self) -> None:
         """Hook: begin moving this layer to the compute device ahead of use."""
+
+    def evict(self) -> None:
+        """Hook: drop any device copy (an offloaded layer's mirror); the next use fetches it again."""
 
     def set_recording(self, on: bool) -> None:
         """Hook: keep tokens that would slide out until the next ``crop``."""

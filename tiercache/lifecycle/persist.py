@@ -72,8 +72,14 @@ def save(cache, path, token_ids=None) -> None:
     _write_atomic(path, tensors, json.dumps(header))
 
 
-def load(cls, path, model, model_type: str | None):
+def load(cls, path, model, model_type: str | None, device=None):
+    """``device``: the compute device to load onto (default: the one it was saved from)."""
     path = os.fspath(path)
+    if device is not None:
+        try:
+            device = str(torch.device(device))
+        except (RuntimeError, TypeError) as e:
+            raise CacheError(f"load: device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from e
     if not os.path.isfile(path):
         raise CacheError(f"load: no saved cache at {path!r}" + (" (a directory)" if os.path.isdir(path) else ""))
     from safetensors import safe_open
@@ -88,7 +94,7 @@ def load(cls, path, model, model_type: str | None):
                 raise CacheError(f"load: {path!r}: the saved policy is invalid: {e}") from e
             cache = cls._build(policy, model, model_type)
             try:
-                _load_layers(cache, f, header, path)
+                _load_layers(cache, f, header, path, device)
             except BaseException:
                 cache.close()
                 raise
@@ -127,13 +133,29 @@ def _check_model(saved: dict, given: dict, path: str) -> None:
                              f"{want!r} for this model")
 
 
-def _load_layers(cache, f, header: dict, path: str) -> None:
+def _relocate(sd: dict, device: str | None, path: str) -> dict:
+    """Point a layer state's compute device at ``device`` (or check that the saved one exists)."""
+    for key, value in sd.items():
+        if key.endswith("spec") and isinstance(value, dict) and "device" in value:
+            value = sd[key] = {**value, "device": device or value["device"]}
+            where = value["device"]
+        elif (key == "device" or key.endswith(".device")) and isinstance(value, str):
+            where = sd[key] = device or value
+        else:
+            continue
+        if torch.device(where).type == "cuda" and not torch.cuda.is_available():
+            raise CacheError(f"load: {path!r} was saved on {where} and CUDA is not available here; "
+                             "pass device='cpu' (or another device) to load it there")
+    return sd
+
+
+def _load_layers(cache, f, header: dict, path: str, device: str | None) -> None:
     layers, sums = header["layers"], header["sha256"]
     if not isinstance(layers, list) or len(layers) != len(cache.layers):
         raise CacheError(f"load: {path!r}: header has {len(layers) if isinstance(layers, list) else layers!r} "
                          f"layers, the model {len(cache.layers)} (corrupted save)")
     for i, (layer, entry) in enumerate(zip(cache.layers, layers)):
-        sd = dict(entry["state"])
+        sd = _relocate(dict(entry["state"]), device, path)
         for key in entry["tensors"]:
             name = f"layers.{i}.{key}"
             t = f.get_tensor(name)

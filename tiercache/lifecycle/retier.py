@@ -49,7 +49,9 @@ def retier(cache, policy) -> None:
     before = [layer.policy for layer in cache.layers]
     new_layers, shared = build_layers(targets)
     old_shared, moved = cache._shared, []
-    if old_shared is not None:  # the old workspace and mirrors are not read while moving (made again on use)
+    for layer in cache.layers:  # device mirrors and the old workspace are not read while moving
+        layer.evict()
+    if old_shared is not None:  # (made again on use, also after a roll-back)
         old_shared.close()
     try:
         for i, new in enumerate(new_layers):

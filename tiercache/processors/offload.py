@@ -209,6 +209,11 @@ class Offload(KVLayer):
         self.inner.ingest(host_k, host_v, seen)
         self.device = key.device
 
+    def evict(self) -> None:
+        self.prefetcher.evict(self)
+        self.k = self.v = None  # the slot's memory is no longer held through this layer
+        self.lo = self.held = 0
+
     def prefetch(self) -> None:
         if self.device is not None and self.inner.kv() is not None:
             self.prefetcher.prefetch(self)

@@ -279,6 +279,9 @@ class Quantize(KVLayer):
     def prefetch(self) -> None:
         self.store.prefetch()
 
+    def evict(self) -> None:
+        self.store.evict()
+
     def set_recording(self, on: bool) -> None:
         self.store.set_recording(on)
 

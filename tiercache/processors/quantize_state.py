@@ -59,12 +59,25 @@ def load_state_dict(q, sd: dict) -> None:
 
 
 @torch.no_grad()
-def export(q):
+def export(q, parts: int = 8):
+    """Blocks decoded a few runs at a time (the decoder's temporaries stay a fraction of the
+    layer), then the residual: fresh ``[B, H, S, D]`` tensors on the compute device."""
     if q.spec is None:
         return None
-    rows = q.store.export() if q.stored else None  # the store's protocol: no fetch to a device mirror
-    k, v = q._assemble(None if rows is None else rows[:2], None, None, workspace=False)  # fresh [B, H, S, D]
-    return k, v, q.seen
+    s, g = q.spec, q.g
+    rows = q.store.export()[:2] if q.stored else None  # the store's protocol: no fetch to a device mirror
+    n = 0 if rows is None else rows[0].shape[2]
+    held = len(q.residual)
+    outs = [torch.empty((s.batch, s.heads, n * g + held, d), dtype=s.dtype, device=s.device)
+            for d in (s.key_dim, s.value_dim)]  # [B, H, S, D]
+    step = max(1, -(-n // parts))
+    for i, out in enumerate(outs):
+        for at in range(0, n, step):
+            m = min(step, n - at)
+            q.codecs[i].decode(rows[i].narrow(2, at, m).to(s.device), out.narrow(2, at * g, m * g))
+        if held:
+            out.narrow(2, n * g, held).copy_(q.residual.view()[i])
+    return outs[0], outs[1], q.seen
 
 
 @torch.no_grad()
