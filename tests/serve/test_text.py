@@ -50,3 +50,33 @@ def test_fallback_template_is_plain_and_byte_exact():
     text = fallback_template(messages)
     assert text == "<|system|>\nBe brief.\n<|user|>\nhi\n<|assistant|>\n"
     assert Codec(TOK).chat(messages) == list(text.encode())
+
+
+class TemplateTokenizer:
+    """A stand-in for a transformers tokenizer with a chat template (ids: one per character)."""
+
+    chat_template = "{% for m in messages %}...{% endfor %}"
+    eos_token_id = 3
+
+    def __len__(self):
+        return 1000
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and not tokenize
+        if any(m["role"] == "system" for m in messages):
+            raise ValueError("System role not supported")
+        return "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+
+
+def test_the_tokenizers_own_template_is_used_and_its_refusal_is_a_400():
+    from tiercache.serve.errors import APIError
+
+    codec = Codec(TemplateTokenizer(), eos_ids=[7])
+    assert codec.chat([{"role": "user", "content": "hi"}]) == [ord(c) for c in "[user]hi[assistant]"]
+    assert codec.eos_ids == {3, 7} and codec.vocab_size == 1000
+    with pytest.raises(APIError, match="System role not supported") as e:
+        codec.chat([{"role": "system", "content": "x"}])
+    assert e.value.status == 400 and e.value.param == "messages"

@@ -2,7 +2,8 @@
 
     save_entries(store, directory) -> int     on shutdown: every entry, as held (its rung), then
                                               the store is closed; returns how many were saved
-    load_entries(store, directory, model_config) -> int     on start: each file loaded and checked
+    load_entries(store, directory, model_config, vocab_size=None, device=None) -> int
+                                              on start: each file loaded (onto ``device``) and checked
 
 One file per entry, ``entry-<n>.tiercache`` (``TieredCache.save(path, token_ids=ids)``: safetensors
 with sha256 per tensor, written atomically). Files of an earlier run are replaced as a whole: the
@@ -41,7 +42,7 @@ def save_entries(store, directory) -> int:
     return len(saved)
 
 
-def load_entries(store, directory, model_config, vocab_size: int | None = None) -> int:
+def load_entries(store, directory, model_config, vocab_size: int | None = None, device=None) -> int:
     from tiercache.cache import TieredCache
 
     directory = Path(directory)
@@ -51,7 +52,7 @@ def load_entries(store, directory, model_config, vocab_size: int | None = None) 
     loaded = 0
     for path in sorted(directory.glob(f"*{SUFFIX}")):
         try:
-            cache = TieredCache.load(path, model_config)
+            cache = TieredCache.load(path, model_config, device=device)
         except Exception as e:  # noqa: BLE001 - CacheError for a corrupt file; anything else is as bad
             log.error("persist: dropping %s: %s", path, e)
             path.unlink(missing_ok=True)

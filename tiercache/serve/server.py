@@ -48,7 +48,7 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
     if persist is not None and prefix_store is not None:
         from tiercache.serve.persist import load_entries, save_entries
 
-        load_entries(prefix_store, persist, net.config, codec.vocab_size)
+        load_entries(prefix_store, persist, net.config, codec.vocab_size, worker.device)
         shutdown = lambda: save_entries(prefix_store, persist)  # noqa: E731
     elif prefix_store is not None:
         shutdown = prefix_store.close
