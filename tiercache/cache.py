@@ -18,15 +18,20 @@ Lifecycle (``tiercache.lifecycle``): ``fork()`` (also ``copy.deepcopy`` / ``copy
 independent copy, ``retier(policy)`` moves the cache to another policy in place, ``save(path,
 token_ids=None)`` / ``TieredCache.load(path, model_config, policy=None)`` persist it. All go
 through the layer protocol (``state_dict`` / ``load_state_dict``, ``export`` / ``ingest``).
+
+Legacy tuples (``tiercache.legacy``): ``TieredCache.from_legacy(past, policy, config)`` and
+``cache.to_legacy()``. Encoder-decoder models: ``TieredCache.for_encoder_decoder(policy, config)``
+returns a ``TieredEncoderDecoderCache`` (transformers' ``EncoderDecoderCache`` of two
+TieredCaches; the cross-attention half per ``tiercache.cross_attention``).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 from tiercache.chain import build_layers
-from tiercache.errors import CacheError
+from tiercache.errors import CacheError, PolicyError
 from tiercache.layers.base import KVLayer
 from tiercache.model_spec import ModelSpec
 from tiercache.policy import Policy, load_policy
@@ -57,7 +62,13 @@ class TieredCache(Cache):
         length the policy's ``max_length`` is planned for, else 4096 tokens.
         """
         policy = load_policy(policy)
-        model = model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
+        model = _spec(model_config)
+        if model.cross_attention and not isinstance(model_config, ModelSpec):
+            raise PolicyError(
+                f"{type(model_config).__name__} is an encoder-decoder model: its layers attend to themselves and to "
+                "the encoder, so it needs TieredCache.for_encoder_decoder(policy, config) (an EncoderDecoderCache "
+                "of two TieredCaches)"
+            )
         if policy.auto:
             from tiercache.planner import check_sizes, choose
 
@@ -65,6 +76,38 @@ class TieredCache(Cache):
             check_sizes(batch_size, context)
             policy = choose(policy, model, batch_size, context)
         return cls._build(policy, model, model_type_of(model_config))
+
+    @classmethod
+    def from_legacy(cls, past, policy, model_config, *, seq_length: int | None = None) -> "TieredCache":
+        """A cache holding a legacy past: a tuple of per-layer ``(key, value)`` tensors ``[B, H, S, D]``
+        (old transformers' ``past_key_values``). ``seq_length``: the tokens the past stands for, when
+        its layers are all sliding and trimmed (see ``tiercache.legacy``). Bad input is a
+        ``CacheError`` before anything is built. Encoder-decoder models: four tensors per layer,
+        and the cache of ``for_encoder_decoder`` comes back."""
+        from tiercache import legacy
+
+        return legacy.build(cls, past, load_policy(policy), _spec(model_config), seq_length)
+
+    def to_legacy(self) -> tuple:
+        """Per layer ``(keys, values)`` at full precision, fresh tensors (``()`` when empty)."""
+        from tiercache import legacy
+
+        return legacy.export(self.layers)
+
+    @classmethod
+    def for_encoder_decoder(cls, policy, model_config) -> "TieredEncoderDecoderCache":
+        """What ``generate(past_key_values=...)`` takes for BART, T5, Whisper ...: an
+        ``EncoderDecoderCache`` of two TieredCaches, the decoder's self-attention following the
+        policy, the cross-attention its ``cross_attention:`` section (default full precision)."""
+        from tiercache.cross_attention import cross_layer_policies
+
+        policy = load_policy(policy)
+        model = _spec(model_config)
+        cross_layers = cross_layer_policies(policy, model)  # PolicyError for a decoder-only model
+        self_attention = cls.from_policy(policy, model)
+        layers, shared = build_layers(cross_layers)
+        cross = cls(layers, policy, model, shared, model_type_of(model_config))
+        return TieredEncoderDecoderCache(self_attention, cross)
 
     # -- the write path --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -277,6 +320,46 @@ class TieredCache(Cache):
                 getattr(self.layers[i], method)(*args)
             except CacheError as e:
                 raise CacheError(f"layer {i}: {e}") from None
+
+
+class TieredEncoderDecoderCache(EncoderDecoderCache):
+    """transformers' ``EncoderDecoderCache`` over two TieredCaches (``TieredCache.for_encoder_decoder``).
+
+    transformers keeps ``crop`` / ``batch_select_indices`` / ``batch_repeat_interleave`` for two
+    DynamicCaches; TieredCaches support them too (assisted decoding crops the self-attention half).
+    ``nbytes()`` and ``close()`` cover both halves; ``cross_nbytes()`` is the cross-attention part.
+    """
+
+    def check_dynamic_cache(self, method: str) -> None:
+        for half in (self.self_attention_cache, self.cross_attention_cache):
+            if not isinstance(half, (TieredCache, DynamicCache)):
+                raise CacheError(f"{method}: needs TieredCache or DynamicCache halves, got {type(half).__name__}")
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held now by both halves, per place (``cpu``, ``cuda:0``, ``disk`` ...)."""
+        total = dict(self.self_attention_cache.nbytes())
+        for place, n in self.cross_nbytes().items():
+            total[place] = total.get(place, 0) + n
+        return total
+
+    def cross_nbytes(self) -> dict[str, int]:
+        return self.cross_attention_cache.nbytes()
+
+    def to_legacy(self) -> tuple:
+        """Per layer ``(self key, self value, cross key, cross value)`` at full precision, fresh
+        tensors (``()`` when empty); ``TieredCache.from_legacy`` takes it back."""
+        from tiercache import legacy
+
+        return legacy.join(self.self_attention_cache.to_legacy(), self.cross_attention_cache.to_legacy(),
+                           len(self.self_attention_cache.layers))
+
+    def close(self) -> None:
+        self.self_attention_cache.close()
+        self.cross_attention_cache.close()
+
+
+def _spec(model_config) -> ModelSpec:
+    return model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
 
 
 def model_type_of(model_config) -> str | None:
