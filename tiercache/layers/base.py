@@ -60,6 +60,9 @@ Lifecycle (what save / load / fork / retier are made of)
 Optional hooks (no-op defaults here)
     prefetch()          start bringing the layer to the compute device (offload)
     evict()             drop any device copy of the layer (offload); the next use fetches it again
+    can_adopt(other) / adopt(other)
+                        take ``other``'s held state as it is held (Quantize: packed blocks of the
+                        same block format move without re-quantization); False / refused by default
     set_recording(on)   keep tokens a sliding layer would drop until the next crop (assisted decoding)
     close()             release files and buffers for good
 
@@ -149,6 +152,14 @@ class KVLayer(ABC):
 
     def evict(self) -> None:
         """Hook: drop any device copy (an offloaded layer's mirror); the next use fetches it again."""
+
+    def can_adopt(self, other: "KVLayer") -> bool:
+        """Whether ``adopt(other)`` can take ``other``'s state as held (else use ``ingest(*other.export())``)."""
+        return False
+
+    def adopt(self, other: "KVLayer") -> None:
+        raise CacheError(f"{type(self).__name__} cannot adopt the state of a {type(other).__name__}; "
+                         "use ingest(*other.export())")
 
     def set_recording(self, on: bool) -> None:
         """Hook: keep tokens that would slide out until the next ``crop``."""

@@ -71,10 +71,8 @@ def retier(cache, policy) -> None:
 
 def _move(old, new, where: str) -> None:
     """Move ``old``'s state into the empty chain ``new`` (a function: its temporaries die here)."""
-    from tiercache.processors.quantize import Quantize
-
     try:
-        if isinstance(old, Quantize) and isinstance(new, Quantize) and old.config == new.config:
+        if new.can_adopt(old):  # the same block format: packed blocks move as they are
             new.adopt(old)
         else:
             held = old.export()

@@ -118,6 +118,17 @@ class CrossAttention(KVLayer):
     def prefetch(self) -> None:
         self.inner.prefetch()
 
+    def evict(self) -> None:
+        self._read = None
+        self.inner.evict()
+
+    def can_adopt(self, other: KVLayer) -> bool:
+        return isinstance(other, CrossAttention) and self.inner.can_adopt(other.inner)
+
+    def adopt(self, other: "CrossAttention") -> None:
+        self._read = None
+        self.inner.adopt(other.inner)
+
     def set_recording(self, on: bool) -> None:
         self._read = None
         self.inner.set_recording(on)

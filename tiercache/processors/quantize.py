@@ -266,6 +266,9 @@ class Quantize(KVLayer):
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
         quantize_state.ingest(self, key, value, seen)
 
+    def can_adopt(self, other: KVLayer) -> bool:
+        return isinstance(other, Quantize) and other.config == self.config
+
     def adopt(self, other: "Quantize") -> None:
         """Take ``other``'s state as held (same block format): packed blocks move, never re-quantized."""
         quantize_state.adopt(self, other)
