@@ -7,9 +7,27 @@
 
 It needs no ``cache_position``: each layer counts the tokens it has seen. Every transformers
 cache method is answered by the chains (``tiercache.layers.base`` protocol), and errors from a
-layer are re-raised as ``CacheError`` naming the layer index. ``crop(x)`` keeps transformers'
-convention: ``x < 0`` removes ``-x`` tokens, ``x > 0`` keeps the first ``x``, ``0`` only lets
-sliding layers trim what they kept for a rollback.
+layer are re-raised as ``CacheError`` naming the layer index. ``cache.layers[i].keys`` /
+``.values`` read what a layer holds at full precision (see ``KVLayer.keys`` for their cost).
+
+``crop(x)`` follows transformers 5.x ``DynamicCache.crop``: ``x < 0`` removes ``-x`` tokens from
+every layer, emptying it when ``-x`` is more than it holds; ``0`` only lets sliding layers trim
+what they kept for a rollback; ``x > 0`` (transformers 4.x's "keep the first x") is refused with
+``CacheError``, as transformers refuses it (use ``crop(x - cache.get_seq_length())``). A sliding
+layer past its window refuses a crop whose result it cannot give exactly (the tokens before the
+window are gone unless ``activate_past_recording()`` was called), all or nothing for the whole
+cache: where transformers raises too, or (recording, past what was recorded) would silently keep
+a wrong window. Where transformers crashes or goes wrong and the answer is clear, it is given:
+crops of a never-written sliding layer are no-ops, a recorded layer cropped past its start is
+empty (transformers' length would go negative), and ``crop(0)`` past the window is a no-op
+(transformers raises).
+
+KV sharing (Gemma 3n / Gemma 4): a layer that reuses another layer's K/V (``ModelSpec.kv_sharing
+== "reuse"``) is transformers' placeholder (``DummyLayer``): ``is_dummy`` is True for it, it
+holds nothing, refuses updates, ignores crop / reorder / select / reset, has no maximum length
+(-1), is not sliding, and asking its sequence length or mask sizes raises ``CacheError``
+(transformers raises ``ValueError``), except layer 0, which answers for the first layer that
+stores.
 
 Returned K/V may be views of internal buffers, valid until the next call on the cache (as with
 transformers' own caches, attention consumes them at once).
@@ -33,6 +51,7 @@ class TieredCache(Cache):
         self.policy = policy
         self.model = model
         self._shared = shared
+        self._reuse = frozenset(i for i in range(len(layers)) if model.kv_sharing(i) == "reuse")
 
     @classmethod
     def from_policy(cls, policy, model_config, batch_size: int = 1, context_length: int | None = None) -> "TieredCache":
@@ -56,6 +75,11 @@ class TieredCache(Cache):
     # -- the write path --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self._layer(layer_idx)
+        if layer_idx in self._reuse:
+            raise CacheError(
+                f"layer {layer_idx} reuses the K/V of an earlier layer (KV sharing, {self.model.name}): the model "
+                "never writes it, and the cache refuses updates to it (transformers' placeholder layer does too)"
+            )
         for name, t in (("key_states", key_states), ("value_states", value_states)):
             if isinstance(t, torch.Tensor) and not t.is_floating_point():
                 raise CacheError(f"layer {layer_idx}: {name} must be floating point, got {t.dtype}")
@@ -66,22 +90,23 @@ class TieredCache(Cache):
 
     # -- what transformers asks ------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._layer(layer_idx).seq_length() if self.layers else 0
+        return self._attention_layer(layer_idx, "get_seq_length").seq_length() if self.layers else 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.get_seq_length(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self._layer(layer_idx).mask_sizes(query_length)
+        return self._attention_layer(layer_idx, "get_mask_sizes").mask_sizes(query_length)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         if layer_idx is None:
-            return max(layer.max_length() for layer in self.layers)
-        return self._layer(layer_idx).max_length()
+            return max(self.get_max_length(i) for i in range(len(self.layers)))
+        layer = self._layer(layer_idx)
+        return -1 if layer_idx in self._reuse else layer.max_length()
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [layer.is_sliding for layer in self.layers]
+        return [layer.is_sliding and i not in self._reuse for i, layer in enumerate(self.layers)]
 
     @property
     def is_linear(self) -> list[bool]:
@@ -89,7 +114,8 @@ class TieredCache(Cache):
 
     @property
     def is_dummy(self) -> list[bool]:
-        return [False] * len(self.layers)
+        """True for the layers that reuse another layer's K/V (transformers' placeholder layers)."""
+        return [i in self._reuse for i in range(len(self.layers))]
 
     @property
     def is_compileable(self) -> bool:
@@ -101,14 +127,18 @@ class TieredCache(Cache):
 
     @property
     def is_initialized(self) -> bool:
-        return any(layer.kv() is not None for layer in self.layers)
+        """transformers' meaning: every layer that stores has had an update since it was built or reset."""
+        stores = [layer for i, layer in enumerate(self.layers) if i not in self._reuse]
+        return bool(stores) and all(layer.is_initialized for layer in stores)
 
     @property
     def batch_size(self) -> int:
+        """The batch the layers hold, -1 before any update. (transformers' ``DynamicCache`` always
+        says -1, its layers do not track it; ``StaticCache`` gives the batch, as this does.) Reads
+        one layer through ``peek()``: a quantized or offloaded one pays a full read."""
         for layer in self.layers:
-            held = layer.kv()
-            if held is not None:
-                return held[0].shape[0]
+            if layer.is_initialized:
+                return layer.peek()[0].shape[0]
         return -1
 
     def early_initialization(self, *args, **kwargs) -> None:
@@ -121,19 +151,27 @@ class TieredCache(Cache):
         """Offloaded layers write back only new tokens themselves (tiercache.processors.offload)."""
 
     # -- whole-cache operations ----------------------------------------------------------------
-    def crop(self, max_length: int) -> None:
-        """transformers' convention: negative removes that many tokens, positive keeps that many."""
-        if not isinstance(max_length, int) or isinstance(max_length, bool):
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers 5.x: ``crop(-n)`` removes the last ``n`` tokens (every token when ``n`` is more
+        than held); ``crop(0)`` trims sliding layers after a rollback; a positive value is refused."""
+        x = tokens_to_remove
+        if not isinstance(x, int) or isinstance(x, bool):
             raise CacheError(
-                f"crop(max_length) needs an int (negative: remove that many tokens; positive: keep that many; "
-                f"0: trim sliding layers after a rollback), got {max_length!r}"
+                f"crop(tokens_to_remove) needs an int <= 0 (-n: remove the last n tokens; 0: trim sliding layers "
+                f"after a rollback), got {x!r}"
             )
-        seen = self.get_seq_length()
-        remove = -max_length if max_length < 0 else max(seen - max_length, 0) if max_length > 0 else 0
+        if x > 0:
+            raise CacheError(
+                f"crop({x}): a positive value is not supported (transformers 5.x refuses it too); pass -n to remove "
+                f"the last n tokens, e.g. crop({x} - cache.get_seq_length()) keeps the first {x}"
+            )
         # All or nothing: every layer validates first; sliding layers (the only ones that may
-        # still refuse, having dropped tokens) are cropped before the others.
-        self._each("validate_crop", remove)
-        self._each("crop", remove, order=sorted(range(len(self.layers)), key=lambda i: not self.layers[i].is_sliding))
+        # still refuse, having dropped tokens) are cropped before the others. Placeholder
+        # layers (KV sharing: reuse) ignore crop, as transformers' do.
+        order = sorted((i for i in range(len(self.layers)) if i not in self._reuse),
+                       key=lambda i: not self.layers[i].is_sliding)
+        self._each("validate_crop", -x, order=order)
+        self._each("crop", -x, order=order)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._each("reorder", beam_idx)
@@ -192,6 +230,19 @@ class TieredCache(Cache):
                 f"({self.model.name})"
             )
         return self.layers[layer_idx]
+
+    def _attention_layer(self, layer_idx: int, what: str) -> KVLayer:
+        """The layer that answers ``what`` for ``layer_idx``: transformers' rule for placeholders."""
+        layer = self._layer(layer_idx)
+        if layer_idx not in self._reuse:
+            return layer
+        stores = [i for i in range(len(self.layers)) if i not in self._reuse]
+        if layer_idx != 0 or not stores:
+            raise CacheError(
+                f"{what}(layer_idx={layer_idx}): layer {layer_idx} reuses the K/V of an earlier layer (KV sharing) "
+                f"and tracks no sequence length; ask a layer that stores: {stores}"
+            )
+        return self.layers[stores[0]]
 
     def _each(self, method: str, *args, order=None) -> None:
         """Apply an operation to every layer; a layer's CacheError names its index."""
