@@ -73,7 +73,7 @@ from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, chec
 from tiercache.layers.spec import KVSpec
 from tiercache.processors import backends
 from tiercache.processors.blocks import BlockCodec
-from tiercache.tiers import place_of
+from tiercache.processors.residual import Residual
 
 
 def flush_split(held: int, new: int, residual_length: int, group_size: int) -> int:
@@ -84,55 +84,6 @@ def flush_split(held: int, new: int, residual_length: int, group_size: int) -> i
         return 0
     base = first % group_size  # what stays after a flush
     return total - (base + (total - first) % (first - base))
-
-
-class Residual:
-    """The newest tokens in full precision, in exactly-sized ``[B, H, r, D]`` tensors (or None)."""
-
-    def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def view(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if lo == 0 and hi is None:
-            return self.keys, self.values
-        hi = len(self) if hi is None else hi
-        return self.keys.narrow(2, lo, hi - lo), self.values.narrow(2, lo, hi - lo)  # [B, H, hi-lo, D]
-
-    def replace(self, drop: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Forget the oldest ``drop`` tokens and append ``key``/``value`` (copied), in one bounded copy."""
-        held = len(self)
-        if held - drop + key.shape[2] == 0:
-            self.keys = self.values = None
-        elif drop == held:
-            self.keys, self.values = key.clone(memory_format=torch.contiguous_format), value.clone(
-                memory_format=torch.contiguous_format)
-        elif key.shape[2] or drop:
-            k, v = self.view(drop)
-            self.keys, self.values = torch.cat([k, key], 2), torch.cat([v, value], 2)
-
-    def truncate(self, n: int) -> None:
-        """Forget the newest ``n`` tokens."""
-        if n:
-            k, v = self.view(0, len(self) - n)
-            self.keys, self.values = (k.clone(), v.clone()) if k.shape[2] else (None, None)
-
-    def gather(self, index: torch.Tensor) -> None:
-        if self.keys is not None:
-            index = index.to(self.keys.device)
-            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
-
-    def clear(self) -> None:
-        self.keys = self.values = None
-
-    def nbytes(self) -> dict[str, int]:
-        if self.keys is None:
-            return {}
-        size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-        return {place_of(self.keys.device): size}
 
 
 class Quantize(KVLayer):
