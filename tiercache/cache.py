@@ -189,10 +189,10 @@ class TieredCache(Cache):
             self._shared.close()  # re-created on demand
 
     def activate_past_recording(self) -> None:
-        self._each("set_recording", True)
+        self._each("set_recording", True, order=[i for i in range(len(self.layers)) if i not in self._reuse])
 
     def is_recording_past(self, layer_idx: int) -> bool:
-        return self._layer(layer_idx).record_past
+        return self._layer(layer_idx).record_past and layer_idx not in self._reuse
 
     def close(self) -> None:
         """Release every buffer and file now (also done when the cache is garbage-collected)."""

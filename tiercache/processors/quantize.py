@@ -109,6 +109,7 @@ class Quantize(KVLayer):
         self.spec: KVSpec | None = None
         self.codecs: tuple[BlockCodec, BlockCodec] | None = None
         self.seen = 0  # tokens seen (positions), including any slid out of a window
+        self.recorded = 0  # sliding: tokens updated while recording since the last crop (kept past the window)
         self.stored = False  # the store has had an update (knows batch, dtype, device)
 
     # -- the protocol ---------------------------------------------------------------------------
@@ -151,6 +152,8 @@ class Quantize(KVLayer):
         rest = flush - taken  # new tokens that stay in the residual start here
         self.residual.replace(taken, key.narrow(2, rest, t - rest), value.narrow(2, rest, t - rest))
         self.seen += t
+        if self.window is not None and self.recording:
+            self.recorded += t
         return out
 
     def seq_length(self) -> int:
@@ -203,13 +206,14 @@ class Quantize(KVLayer):
             if self.stored:
                 self.store.crop(self.store.seq_length())
             self.residual.clear()
-            self.seen = 0
+            self.seen = self.recorded = 0
             return
         if n <= held:
             if self.stored:
                 self.store.crop(0)  # a sliding store trims what it kept for a rollback
             self.residual.truncate(n)
             self.seen -= n
+            self.recorded = 0
             return
         drop, keep, blocks, have = self._crop_blocks(n)
         restored = None
@@ -225,6 +229,7 @@ class Quantize(KVLayer):
             device = self.spec.device
             self.residual.replace(0, restored[0][:, :, :keep].to(device), restored[1][:, :, :keep].to(device))
         self.seen -= n
+        self.recorded = 0
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         if self.spec is not None:
@@ -244,7 +249,7 @@ class Quantize(KVLayer):
     def reset(self) -> None:
         self.store.reset()
         self.residual.clear()
-        self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
+        self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
 
     @torch.no_grad()
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -256,16 +261,17 @@ class Quantize(KVLayer):
     @torch.no_grad()
     def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The whole history dequantized into fresh tensors ``[B, H, S, D]`` on the compute device
-        (a sliding layer: the tokens a ``SlidingLayer`` keeps, the last ``window - 1`` unless
-        recording); the store is read through its ``peek()``, so nothing is fetched, evicted or
+        (a sliding layer: the tokens a ``SlidingLayer`` keeps, the last ``window - 1`` plus those
+        recorded since the last crop); the store is read through its ``peek()``, so nothing is fetched, evicted or
         written (not even the workspace or a codec's remembered views)."""
         if self.spec is None:
             return None
         blocks = self.store.peek() if self.stored else None
         k, v = self._assemble(blocks, None, None, workspace=False, remember=False)  # [B, H, S, D]
-        if self.window is not None and not self.recording and k.shape[2] > self.window - 1:
-            skip = k.shape[2] - (self.window - 1)
-            k, v = k[:, :, skip:], v[:, :, skip:]
+        if self.window is not None:
+            keep = min(self.window - 1, self.seen - self.recorded) + self.recorded
+            if k.shape[2] > keep:
+                k, v = k[:, :, k.shape[2] - keep :], v[:, :, k.shape[2] - keep :]
         return k, v
 
     @property
@@ -283,6 +289,8 @@ class Quantize(KVLayer):
 
     def set_recording(self, on: bool) -> None:
         self.store.set_recording(on)
+        if not on:
+            self.recorded = 0
 
     @property
     def recording(self) -> bool:
@@ -294,7 +302,7 @@ class Quantize(KVLayer):
         self.residual.clear()
         for codec in self.codecs or ():
             codec.forget()
-        self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
+        self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
 
     # -- internals ------------------------------------------------------------------------------
     def _held_blocks(self):
