@@ -72,6 +72,7 @@ from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.spec import KVSpec
 from tiercache.processors import backends
+from tiercache.processors import quantize_state
 from tiercache.processors.blocks import BlockCodec
 from tiercache.processors.residual import Residual
 
@@ -98,7 +99,8 @@ class Quantize(KVLayer):
         if window is not None:
             if not isinstance(window, int) or window < 1:
                 raise CacheError(f"sliding window must be an int >= 1, got {window!r}")
-            self.store = make_store(window=-(-(window - 1) // self.g) + 1, chunk=chunk)
+            self.store_window = -(-(window - 1) // self.g) + 1  # blocks; it keeps one less
+            self.store = make_store(window=self.store_window, chunk=chunk)
         elif max_length is not None:
             if not isinstance(max_length, int) or max_length < 1:
                 raise CacheError(f"static storage needs max_length >= 1, got {max_length!r}")
@@ -126,9 +128,7 @@ class Quantize(KVLayer):
         if t and not math.isfinite(float(torch.maximum(  # max |x|: NaN and inf propagate; one sync
                 torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf)))):
             raise CacheError(self._non_finite(key, value))
-        codecs = self.codecs or tuple(
-            BlockCodec(self.backend, self.g, d, axis, spec.dtype)
-            for d, axis in ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
+        codecs = self.codecs or self._codecs(spec)
         held = len(self.residual)
         flush = flush_split(held, t, self.r, self.g)  # oldest tokens to pack now
         taken = min(flush, held)
@@ -278,6 +278,32 @@ class Quantize(KVLayer):
     def is_initialized(self) -> bool:
         return self.spec is not None
 
+    def tier_nbytes(self) -> dict[str, int]:
+        out = dict(self.store.tier_nbytes())
+        for size in self.residual.nbytes().values():
+            out["device"] = out.get("device", 0) + size
+        return out
+
+    def batch_size(self) -> int | None:
+        return None if self.spec is None else self.spec.batch
+
+    # -- lifecycle (tiercache.processors.quantize_state) ------------------------------------------
+    def state_dict(self) -> dict:
+        return quantize_state.state_dict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        quantize_state.load_state_dict(self, sd)
+
+    def export(self):
+        return quantize_state.export(self)
+
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
+        quantize_state.ingest(self, key, value, seen)
+
+    def adopt(self, other: "Quantize") -> None:
+        """Take ``other``'s state as held (same block format): packed blocks move, never re-quantized."""
+        quantize_state.adopt(self, other)
+
     def nbytes(self) -> dict[str, int]:
         out = dict(self.store.nbytes())
         for place, size in self.residual.nbytes().items():
@@ -286,6 +312,9 @@ class Quantize(KVLayer):
 
     def prefetch(self) -> None:
         self.store.prefetch()
+
+    def evict(self) -> None:
+        self.store.evict()
 
     def set_recording(self, on: bool) -> None:
         self.store.set_recording(on)
@@ -304,7 +333,10 @@ class Quantize(KVLayer):
             codec.forget()
         self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
 
-    # -- internals ------------------------------------------------------------------------------
+    def _codecs(self, spec: KVSpec) -> tuple[BlockCodec, BlockCodec]:
+        return tuple(BlockCodec(self.backend, self.g, d, axis, spec.dtype)
+                     for d, axis in ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
+
     def _held_blocks(self):
         if not self.stored:
             return None

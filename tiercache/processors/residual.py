@@ -1,18 +1,15 @@
-"""The residual of ``Quantize``: its newest tokens in full precision, on the compute device.
+"""``Residual``: the newest tokens of a quantized layer in full precision, exactly sized.
 
-    Residual()                      empty; ``len(r)`` tokens held
-    view(lo=0, hi=None)             ``[B, H, hi-lo, D]`` views of held tokens
-    replace(drop, key, value)       forget the oldest ``drop``, append ``key``/``value`` (copied)
-    truncate(n) / gather(index) / clear() / nbytes()
-
-Kept in exactly-sized tensors (``nbytes()`` is what is held); every operation copies at most
-the residual (bounded by ``max(residual_length, group_size)``), never the history.
+    Residual()   keys / values ``[B, H, r, D]`` (or None); ``len``, ``view(lo, hi)``,
+                 ``replace(drop, key, value)``, ``truncate(n)``, ``gather(index)``, ``clear()``,
+                 ``nbytes()``, ``state_dict()`` / ``load_state_dict(sd, spec)``
 """
 
 from __future__ import annotations
 
 import torch
 
+from tiercache.layers.state import held_pair
 from tiercache.tiers import place_of
 
 
@@ -63,3 +60,17 @@ class Residual:
             return {}
         size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
         return {place_of(self.keys.device): size}
+
+    def state_dict(self) -> dict:
+        return {"keys": self.keys, "values": self.values}
+
+    def load_state_dict(self, sd: dict, spec) -> None:
+        """Copy the state's tokens onto the compute device ``spec.device`` (checked first)."""
+        k = sd.get("keys")
+        if k is None and sd.get("values") is None:
+            self.clear()
+            return
+        n = k.shape[2] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
+        k, v = held_pair(sd, spec, n, "quantize (residual)")
+        self.keys, self.values = (t.to(spec.device, copy=True, memory_format=torch.contiguous_format)
+                                  for t in (k, v))
