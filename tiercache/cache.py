@@ -7,27 +7,10 @@
 
 It needs no ``cache_position``: each layer counts the tokens it has seen. Every transformers
 cache method is answered by the chains (``tiercache.layers.base`` protocol), and errors from a
-layer are re-raised as ``CacheError`` naming the layer index. ``cache.layers[i].keys`` /
-``.values`` read what a layer holds at full precision (see ``KVLayer.keys`` for their cost).
-
-``crop(x)`` follows transformers 5.x ``DynamicCache.crop``: ``x < 0`` removes ``-x`` tokens from
-every layer, emptying it when ``-x`` is more than it holds; ``0`` only lets sliding layers trim
-what they kept for a rollback; ``x > 0`` (transformers 4.x's "keep the first x") is refused with
-``CacheError``, as transformers refuses it (use ``crop(x - cache.get_seq_length())``). A sliding
-layer past its window refuses a crop whose result it cannot give exactly (the tokens before the
-window are gone unless ``activate_past_recording()`` was called), all or nothing for the whole
-cache: where transformers raises too, or (recording, past what was recorded) would silently keep
-a wrong window. Where transformers crashes or goes wrong and the answer is clear, it is given:
-crops of a never-written sliding layer are no-ops, a recorded layer cropped past its start is
-empty (transformers' length would go negative), and ``crop(0)`` past the window is a no-op
-(transformers raises).
-
-KV sharing (Gemma 3n / Gemma 4): a layer that reuses another layer's K/V (``ModelSpec.kv_sharing
-== "reuse"``) is transformers' placeholder (``DummyLayer``): ``is_dummy`` is True for it, it
-holds nothing, refuses updates, ignores crop / reorder / select / reset, has no maximum length
-(-1), is not sliding, and asking its sequence length or mask sizes raises ``CacheError``
-(transformers raises ``ValueError``), except layer 0, which answers for the first layer that
-stores.
+layer are re-raised as ``CacheError`` naming the layer index; ``layers[i].keys`` / ``.values``
+are what a layer holds (``KVLayer.keys``). ``crop`` follows transformers 5.x (see ``crop``); a
+crop a sliding layer cannot give exactly changes no layer. KV-sharing layers that reuse another
+layer's K/V are transformers' placeholders (``tiercache.placeholders``).
 
 Returned K/V may be views of internal buffers, valid until the next call on the cache (as with
 transformers' own caches, attention consumes them at once).
@@ -52,6 +35,7 @@ from tiercache.chain import build_layers
 from tiercache.errors import CacheError, PolicyError
 from tiercache.layers.base import KVLayer
 from tiercache.model_spec import ModelSpec
+from tiercache.placeholders import Placeholders
 from tiercache.policy import Policy, load_policy
 
 
@@ -64,7 +48,7 @@ class TieredCache(Cache):
         self.model_type = model_type  # the config's model_type (part of a save's model fingerprint)
         self.token_ids: list | None = None  # set by load() when the save had them
         self._shared = shared
-        self._reuse = frozenset(i for i in range(len(layers)) if model.kv_sharing(i) == "reuse")
+        self._reuse = Placeholders(model)  # KV sharing: transformers' DummyLayer rules for these
 
     @classmethod
     def _build(cls, policy: Policy, model: ModelSpec, model_type: str | None = None) -> "TieredCache":
@@ -132,11 +116,7 @@ class TieredCache(Cache):
     # -- the write path --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self._layer(layer_idx)
-        if layer_idx in self._reuse:
-            raise CacheError(
-                f"layer {layer_idx} reuses the K/V of an earlier layer (KV sharing, {self.model.name}): the model "
-                "never writes it, and the cache refuses updates to it (transformers' placeholder layer does too)"
-            )
+        self._reuse.check_update(layer_idx)
         for name, t in (("key_states", key_states), ("value_states", value_states)):
             if isinstance(t, torch.Tensor) and not t.is_floating_point():
                 raise CacheError(f"layer {layer_idx}: {name} must be floating point, got {t.dtype}")
@@ -185,13 +165,12 @@ class TieredCache(Cache):
     @property
     def is_initialized(self) -> bool:
         """transformers' meaning: every layer that stores has had an update since it was built or reset."""
-        stores = [layer for i, layer in enumerate(self.layers) if i not in self._reuse]
-        return bool(stores) and all(layer.is_initialized for layer in stores)
+        stores = self._reuse.stores(len(self.layers))
+        return bool(stores) and all(self.layers[i].is_initialized for i in stores)
 
     @property
     def batch_size(self) -> int:
-        """The batch the layers hold, -1 before any update. (transformers' ``DynamicCache`` always
-        says -1, its layers do not track it; ``StaticCache`` gives the batch, as this does.)"""
+        """The batch held, -1 before any update (as StaticCache; DynamicCache always says -1)."""
         for layer in self.layers:
             batch = layer.batch_size()
             if batch is not None:
@@ -212,21 +191,13 @@ class TieredCache(Cache):
         """transformers 5.x: ``crop(-n)`` removes the last ``n`` tokens (every token when ``n`` is more
         than held); ``crop(0)`` trims sliding layers after a rollback; a positive value is refused."""
         x = tokens_to_remove
-        if not isinstance(x, int) or isinstance(x, bool):
-            raise CacheError(
-                f"crop(tokens_to_remove) needs an int <= 0 (-n: remove the last n tokens; 0: trim sliding layers "
-                f"after a rollback), got {x!r}"
-            )
-        if x > 0:
-            raise CacheError(
-                f"crop({x}): a positive value is not supported (transformers 5.x refuses it too); pass -n to remove "
-                f"the last n tokens, e.g. crop({x} - cache.get_seq_length()) keeps the first {x}"
-            )
-        # All or nothing: every layer validates first; sliding layers (the only ones that may
-        # still refuse, having dropped tokens) are cropped before the others. Placeholder
-        # layers (KV sharing: reuse) ignore crop, as transformers' do.
-        order = sorted((i for i in range(len(self.layers)) if i not in self._reuse),
-                       key=lambda i: not self.layers[i].is_sliding)
+        if not isinstance(x, int) or isinstance(x, bool) or x > 0:
+            raise CacheError(f"crop({x!r}): needs an int <= 0 (-n: remove the last n tokens; 0: trim sliding layers "
+                             "after a rollback); a positive value is not supported (transformers 5.x refuses it too): "
+                             "crop(x - cache.get_seq_length()) keeps the first x")
+        # All or nothing: every layer validates first; sliding layers (the only ones that may refuse)
+        # crop first; placeholders (KV sharing: reuse) ignore crop, as transformers' do.
+        order = sorted(self._reuse.stores(len(self.layers)), key=lambda i: not self.layers[i].is_sliding)
         self._each("validate_crop", -x, order=order)
         self._each("crop", -x, order=order)
 
@@ -246,7 +217,7 @@ class TieredCache(Cache):
             self._shared.close()  # re-created on demand
 
     def activate_past_recording(self) -> None:
-        self._each("set_recording", True, order=[i for i in range(len(self.layers)) if i not in self._reuse])
+        self._each("set_recording", True, order=self._reuse.stores(len(self.layers)))
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return self._layer(layer_idx).record_past and layer_idx not in self._reuse
@@ -353,17 +324,9 @@ class TieredCache(Cache):
         return self.layers[layer_idx]
 
     def _attention_layer(self, layer_idx: int, what: str) -> KVLayer:
-        """The layer that answers ``what`` for ``layer_idx``: transformers' rule for placeholders."""
-        layer = self._layer(layer_idx)
-        if layer_idx not in self._reuse:
-            return layer
-        stores = [i for i in range(len(self.layers)) if i not in self._reuse]
-        if layer_idx != 0 or not stores:
-            raise CacheError(
-                f"{what}(layer_idx={layer_idx}): layer {layer_idx} reuses the K/V of an earlier layer (KV sharing) "
-                f"and tracks no sequence length; ask a layer that stores: {stores}"
-            )
-        return self.layers[stores[0]]
+        """The layer that answers ``what`` for ``layer_idx`` (a placeholder 0: the first that stores)."""
+        self._layer(layer_idx)
+        return self.layers[self._reuse.answering(layer_idx, len(self.layers), what)]
 
     def _each(self, method: str, *args, order=None) -> None:
         """Apply an operation to every layer; a layer's CacheError names its index."""
