@@ -49,6 +49,7 @@ def load_state_dict(q, sd: dict) -> None:
     seen, stored = field(sd, "seen", "quantize"), field(sd, "stored", "quantize", bool)
     q.reset()
     if spec is None:
+        q.store.load_state_dict(part(sd, "store."))  # empty, but a sliding store's recording flag counts
         return
     try:
         q.residual.load_state_dict(part(sd, "residual."), spec)
