@@ -1,7 +1,7 @@
 """The lifecycle half of ``Quantize``: its state dict, export, ingest and adopt.
 
     state_dict(q)            kind, config (the block format), window / max_length, spec, seen,
-                             stored, ``residual.keys`` / ``residual.values`` and ``store.*`` (the
+                             stored, recorded, ``residual.keys`` / ``residual.values`` and ``store.*`` (the
                              packed blocks as held: codes and scales, never dequantized)
     load_state_dict(q, sd)   the same block format only (``CacheError`` otherwise)
     export(q)                (keys, values, seen): blocks dequantized into fresh tensors + residual
@@ -36,6 +36,7 @@ from tiercache.layers.state import check_ingest, expect, field, nest, part, spec
 def state_dict(q) -> dict:
     return {"kind": "quantize", "config": dataclasses.asdict(q.config), "window": q.window,
             "max_length": q.limit, "spec": spec_state(q.spec), "seen": q.seen, "stored": q.stored,
+            "recorded": q.recorded,
             **nest("residual.", q.residual.state_dict()), **nest("store.", q.store.state_dict())}
 
 
@@ -48,6 +49,7 @@ def load_state_dict(q, sd: dict) -> None:
     seen, stored = field(sd, "seen", "quantize"), field(sd, "stored", "quantize", bool)
     q.reset()
     if spec is None:
+        q.store.load_state_dict(part(sd, "store."))  # empty, but a sliding store's recording flag counts
         return
     try:
         q.residual.load_state_dict(part(sd, "residual."), spec)
@@ -56,6 +58,7 @@ def load_state_dict(q, sd: dict) -> None:
         q.reset()
         raise
     q.spec, q.codecs, q.seen, q.stored = spec, q._codecs(spec), seen, stored
+    q.recorded = min(max(int(sd.get("recorded", 0)), 0), seen)  # (absent in states saved before it)
 
 
 @torch.no_grad()
@@ -129,6 +132,7 @@ def adopt(q, other) -> None:
         q.reset()
         raise
     q.spec, q.codecs, q.seen, q.stored = other.spec, q._codecs(other.spec), other.seen, other.stored
+    q.recorded = other.recorded
 
 
 def _encode(codec, x: torch.Tensor, g: int, parts: int = 8) -> torch.Tensor:
