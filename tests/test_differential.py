@@ -30,8 +30,7 @@ from transformers import DynamicCache
 
 from tiercache import CacheError, TieredCache
 
-# "deepcopy" is implemented below (``Program.deepcopy``) and enabled when TieredCache.fork lands (issue 11).
-OPS = ["update"] * 6 + ["crop"] * 3 + ["reorder", "select", "repeat", "reset", "record", "read"]
+OPS = ["update"] * 6 + ["crop"] * 3 + ["reorder", "select", "repeat", "reset", "record", "read", "deepcopy"]
 
 SMALL = dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
 CONFIGS = {
@@ -287,6 +286,3 @@ def test_random_program_matches_dynamic_cache(config, policy, seed, tmp_path):
     assert {"update", "crop"} <= set(done)
     program.ours.close()
 
-
-def test_deepcopy_stays_out_of_the_program_until_fork_lands():
-    assert "deepcopy" not in OPS and callable(Program.deepcopy)
