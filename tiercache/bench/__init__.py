@@ -16,8 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     CPU-offloaded policy against transformers' DynamicCache and QuantizedCache (quanto, hqq) on
     the tiny trained model):
 
-    --model NAME          ``tiny`` (default; the trained byte-level Llama), ``tiny-random``, or a
-                          local path / hub id.
+    --model NAME          ``tiny`` (default; the trained byte-level Llama), ``tiny-random``,
+                          ``smollm2-135m`` (the ``real`` extra), or a local path / hub id.
     --policies P [P ...]  policy YAML paths (default: the demo set, from ``configs/`` when present).
     --baselines LIST      comma-separated transformers caches: dynamic, dynamic-offload (CUDA
                           only), quanto-int4, quanto-int2, hqq-int4, hqq-int2; ``none`` for none

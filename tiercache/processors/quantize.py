@@ -57,6 +57,11 @@ blocks from the store and moves the kept head of the cut block back into the res
 dequantized values (exactly what attention saw); those tokens are quantized once more when
 they leave the residual again (the only case a value is quantized twice). After a crop the
 residual may hold fewer than ``r(n)`` tokens; the flush rule above applies from there.
+
+Attention sinks (``sink_tokens = N``, full-attention layers only: a sliding window slides them
+out): the first ``N`` tokens seen are kept apart in full precision, never quantized, and returned
+first, bit-identical; the residual rule above runs on the tokens after them (``r(n - N)``). A crop
+reaching into them removes the newest of them; the next tokens refill them.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, chec
 from tiercache.layers.spec import KVSpec
 from tiercache.processors import backends
 from tiercache.processors.blocks import BlockCodec
-from tiercache.tiers import place_of
+from tiercache.processors.residual import Residual
 
 
 def flush_split(held: int, new: int, residual_length: int, group_size: int) -> int:
@@ -81,55 +86,6 @@ def flush_split(held: int, new: int, residual_length: int, group_size: int) -> i
         return 0
     base = first % group_size  # what stays after a flush
     return total - (base + (total - first) % (first - base))
-
-
-class Residual:
-    """The newest tokens in full precision, in exactly-sized ``[B, H, r, D]`` tensors (or None)."""
-
-    def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def view(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if lo == 0 and hi is None:
-            return self.keys, self.values
-        hi = len(self) if hi is None else hi
-        return self.keys.narrow(2, lo, hi - lo), self.values.narrow(2, lo, hi - lo)  # [B, H, hi-lo, D]
-
-    def replace(self, drop: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Forget the oldest ``drop`` tokens and append ``key``/``value`` (copied), in one bounded copy."""
-        held = len(self)
-        if held - drop + key.shape[2] == 0:
-            self.keys = self.values = None
-        elif drop == held:
-            self.keys, self.values = key.clone(memory_format=torch.contiguous_format), value.clone(
-                memory_format=torch.contiguous_format)
-        elif key.shape[2] or drop:
-            k, v = self.view(drop)
-            self.keys, self.values = torch.cat([k, key], 2), torch.cat([v, value], 2)
-
-    def truncate(self, n: int) -> None:
-        """Forget the newest ``n`` tokens."""
-        if n:
-            k, v = self.view(0, len(self) - n)
-            self.keys, self.values = (k.clone(), v.clone()) if k.shape[2] else (None, None)
-
-    def gather(self, index: torch.Tensor) -> None:
-        if self.keys is not None:
-            index = index.to(self.keys.device)
-            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
-
-    def clear(self) -> None:
-        self.keys = self.values = None
-
-    def nbytes(self) -> dict[str, int]:
-        if self.keys is None:
-            return {}
-        size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-        return {place_of(self.keys.device): size}
 
 
 class Quantize(KVLayer):
@@ -152,6 +108,8 @@ class Quantize(KVLayer):
         else:
             self.store = make_store(chunk=chunk)
         self.residual = Residual()  # [B, H, r, D], r < max(R, G)
+        self.sinks = Residual()  # [B, H, s, D], s <= N: the first tokens, exact
+        self.n_sinks = 0 if window is not None else config.sink_tokens
         self.spec: KVSpec | None = None
         self.codecs: tuple[BlockCodec, BlockCodec] | None = None
         self.seen = 0  # tokens seen (positions), including any slid out of a window
@@ -171,6 +129,9 @@ class Quantize(KVLayer):
         if t and not math.isfinite(float(torch.maximum(  # max |x|: NaN and inf propagate; one sync
                 torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf)))):
             raise CacheError(self._non_finite(key, value))
+        sink = min(self.n_sinks - len(self.sinks), t)  # the first tokens seen stay exact
+        full = key, value
+        key, value, t = key.narrow(2, sink, t - sink), value.narrow(2, sink, t - sink), t - sink
         codecs = self.codecs or tuple(
             BlockCodec(self.backend, self.g, d, axis, spec.dtype)
             for d, axis in ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
@@ -188,6 +149,8 @@ class Quantize(KVLayer):
             blocks = self._held_blocks()
         # bound to this shape only once the store accepted: a refused first update leaves the layer as new
         self.codecs, self.spec = codecs, spec
+        if sink:
+            self.sinks.replace(0, full[0].narrow(2, 0, sink), full[1].narrow(2, 0, sink))
         if blocks is not None:
             n = self.store.seq_length() if self.limit is not None else blocks[0].shape[2]
             n -= flush // self.g  # blocks packed just now are still in hand at full precision
@@ -196,7 +159,7 @@ class Quantize(KVLayer):
         out = self._assemble(blocks, (key, value), None if self.window is None else self.window - 1 + t)
         rest = flush - taken  # new tokens that stay in the residual start here
         self.residual.replace(taken, key.narrow(2, rest, t - rest), value.narrow(2, rest, t - rest))
-        self.seen += t
+        self.seen += t + sink
         return out
 
     def seq_length(self) -> int:
@@ -215,6 +178,7 @@ class Quantize(KVLayer):
 
     def validate_crop(self, n: int) -> None:
         check_crop(n, self.seen)
+        n = min(n, self.seen - len(self.sinks))  # the rest comes out of the sinks
         if n > len(self.residual):
             self._crop_blocks(n)
 
@@ -244,6 +208,12 @@ class Quantize(KVLayer):
 
     def crop(self, n: int) -> None:
         check_crop(n, self.seen)
+        extra = max(0, n - (self.seen - len(self.sinks)))  # the newest sinks go too
+        self._crop_after_sinks(n - extra)
+        self.sinks.truncate(extra)
+        self.seen -= extra
+
+    def _crop_after_sinks(self, n: int) -> None:
         held = len(self.residual)
         if n <= held:
             if self.stored:
@@ -284,18 +254,19 @@ class Quantize(KVLayer):
     def reset(self) -> None:
         self.store.reset()
         self.residual.clear()
+        self.sinks.clear()
         self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
 
     @torch.no_grad()
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Fresh tensors (never the workspace): callers may keep them."""
-        if self.spec is None or (not len(self.residual) and self._held_blocks() is None):
+        if self.spec is None or (not len(self.residual) and not len(self.sinks) and self._held_blocks() is None):
             return None
         return self._assemble(self._held_blocks(), None, None, workspace=False)
 
     def nbytes(self) -> dict[str, int]:
         out = dict(self.store.nbytes())
-        for place, size in self.residual.nbytes().items():
+        for place, size in (*self.residual.nbytes().items(), *self.sinks.nbytes().items()):
             out[place] = out.get(place, 0) + size
         return out
 
@@ -313,6 +284,7 @@ class Quantize(KVLayer):
         """Release everything; the layer is empty afterwards (as after ``reset``)."""
         self.store.close()
         self.residual.clear()
+        self.sinks.clear()
         for codec in self.codecs or ():
             codec.forget()
         self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
@@ -336,7 +308,8 @@ class Quantize(KVLayer):
             blocks = None if blocks is None else (blocks[0][:, :, first:], blocks[1][:, :, first:])
             n -= first
             skip -= first * g
-        size = n * g + held + fresh - skip
+        sinks = len(self.sinks)  # 0 on sliding layers, so ``skip`` never reaches them
+        size = sinks + n * g + held + fresh - skip
         shapes = [(s.batch, s.heads, size, s.key_dim), (s.batch, s.heads, size, s.value_dim)]  # [B, H, S, D]
         if workspace and self.shared is not None and (self.window is None or size <= self.window):
             outs = self.shared.workspace(shapes, s.dtype, s.device)
@@ -344,7 +317,9 @@ class Quantize(KVLayer):
             outs = [torch.empty(shape, dtype=s.dtype, device=s.device) for shape in shapes]
         res = self.residual.view() if held else None
         for i, out in enumerate(outs):
-            at, lo = 0, skip
+            at, lo = sinks, skip
+            if sinks:
+                out.narrow(2, 0, sinks).copy_(self.sinks.view()[i])
             if n:
                 rows = blocks[i] if blocks[i].device == s.device else blocks[i].to(s.device, non_blocking=True)
                 if lo:  # the oldest block is only partly visible: decode it aside
@@ -377,4 +352,5 @@ class Quantize(KVLayer):
         if op is not None and self.stored:
             getattr(self.store, op)(index)  # validates before the residual changes
         self.residual.gather(index.to(self.spec.device))
+        self.sinks.gather(index.to(self.spec.device))
         self.spec = self.spec.with_batch(index.numel())
