@@ -79,7 +79,7 @@ def test_sensitivity_costs_and_mixed_policy():
 
 def test_run_rows_on_the_tiny_model():
     model, tok = load_model("tiny")
-    names = ["int2-kivi", "int2 +sinks +clip", "QuantizedCache quanto int2"]
+    names = ["int2 min/max", "int2 +sinks +clip", "QuantizedCache quanto int2"]
     rows, meta = realbench.run(model, tok, names, 300, 6, ["code"], 3, [400], [0.5], log=lambda *_: None)
     assert [r["name"] for r in rows] == ["DynamicCache", *names]
     assert rows[0]["ppl_delta"]["code"] == 0 and rows[0]["greedy"] == 1.0 and rows[0]["top1"]["code"] == 1.0

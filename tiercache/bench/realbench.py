@@ -28,13 +28,15 @@ SETUPS = {
     "DynamicCache": ("transformers' full-precision cache (the reference)", "dynamic"),
     "QuantizedCache quanto int4": ("transformers, quanto, g64 r128, axis 0", "quanto-int4"),
     "QuantizedCache quanto int2": ("transformers, quanto, g64 r128, axis 0", "quanto-int2"),
-    "int4-kivi": ("int4, min/max (before this work)", {**K, "bits": 4}),
+    "int4 min/max": ("int4, min/max (before this work)", {**K, "bits": 4}),
     "int4 +sinks": ("int4, 4 sink tokens exact", {**K, "bits": 4, "sink_tokens": 4}),
     "int4 +sinks +clip": ("int4, 4 sinks, clipping search", {**K, "bits": 4, "sink_tokens": 4, "clip": "mse"}),
-    "int2-kivi": ("int2, min/max (before this work)", {**K, "bits": 2}),
+    "int2 min/max": ("int2, min/max (before this work)", {**K, "bits": 2}),
     "int2 +clip": ("int2, clipping search alone", {**K, "bits": 2, "clip": "mse"}),
     "int2 +sinks": ("int2, 4 sink tokens exact", {**K, "bits": 2, "sink_tokens": 4}),
     "int2 +sinks +clip": ("int2, 4 sinks, clipping search", {**K, "bits": 2, "sink_tokens": 4, "clip": "mse"}),
+    "int2 +sinks +clip +V/channel": ("int2, 4 sinks, clipping search, values per channel",
+                                     {**K, "bits": 2, "sink_tokens": 4, "clip": "mse", "value_axis": "channel"}),
     "int2-mixed": ("int2 sinks+clip, the 4 most sensitive layers int4", "int2-mixed.yaml"),
 }
 DEFAULT = tuple(SETUPS)
