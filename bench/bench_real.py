@@ -2,7 +2,7 @@
 policies and transformers' caches in the same run.
 
     python bench/bench_real.py                          # the demo size (make demo-real): ~10 min on 2 cores
-    python bench/bench_real.py --tokens 256 --contexts 1024,2048,4096,7168 --depths 0.2,0.4,0.6,0.8
+    python bench/bench_real.py --tokens 256 --contexts 1024,2048,4096,7168 --depths 0.1,0.3,0.5,0.7,0.9
     python bench/bench_real.py --sensitivity            # per-layer int2 cost -> configs/int2-mixed.yaml
 
 Per setup (``tiercache.bench.realbench``): KV bytes, decode tokens/s (teacher-forced steps),
@@ -45,9 +45,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=1024, help="prefill tokens before the scored text")
     p.add_argument("--tokens", type=int, default=128, help="teacher-forced tokens scored per text")
     p.add_argument("--texts", default="code,prose")
-    p.add_argument("--greedy-tokens", type=int, default=32)
-    p.add_argument("--contexts", type=_ints, default=[1024, 2048, 4096], help="retrieval context lengths ('' for none)")
-    p.add_argument("--depths", type=_floats, default=[0.25, 0.5, 0.75])
+    p.add_argument("--greedy-tokens", type=int, default=16)
+    p.add_argument("--contexts", type=_ints, default=[1024, 4096, 6144], help="retrieval context lengths ('' for none)")
+    p.add_argument("--depths", type=_floats, default=[0.3, 0.7])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="out/real")
     p.add_argument("--sensitivity", action="store_true", help="measure per-layer cost and write configs/int2-mixed.yaml")

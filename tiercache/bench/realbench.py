@@ -39,7 +39,7 @@ SETUPS = {
                                      {**K, "bits": 2, "sink_tokens": 4, "clip": "mse", "value_axis": "channel"}),
     "int2-mixed": ("int2 sinks+clip, the 4 most sensitive layers int4", "int2-mixed.yaml"),
 }
-DEFAULT = tuple(SETUPS)
+DEFAULT = tuple(n for n in SETUPS if n != "int2 +sinks +clip +V/channel")  # that one: an ablation on request
 
 
 def _factory(spec, config):
