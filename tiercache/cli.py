@@ -1,7 +1,7 @@
 """The ``tiercache`` command: validate, plan, generate, bench.
 
     tiercache validate POLICY [--model M]           OK, or the PolicyError; exit 0 / 1
-    tiercache plan POLICY --model M --context N --batch B
+    tiercache plan POLICY --model M --context N --batch B [--encoder-length N]   (encoder-decoder models)
     tiercache generate --model M --policy POLICY --prompt TEXT [--max-new-tokens N] [--chat | --no-chat]
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
 
@@ -69,7 +69,7 @@ def _validate(args) -> int:
 def _plan(args) -> int:
     from tiercache.planner import main_plan
 
-    return main_plan(args.policy, args.model, args.context, args.batch)
+    return main_plan(args.policy, args.model, args.context, args.batch, encoder_length=args.encoder_length)
 
 
 def _generate(args) -> int:
@@ -135,6 +135,8 @@ def parser() -> argparse.ArgumentParser:
                     help="tiny, tiny-random, smollm2-135m, a preset (Llama-3-8B ...), a path or hub id")
     pl.add_argument("--context", type=positive_int, required=True)
     pl.add_argument("--batch", type=positive_int, default=1)
+    pl.add_argument("--encoder-length", type=positive_int, default=None,
+                    help="encoder-decoder models: encoder output tokens, to count cross-attention K/V")
     g = sub.add_parser("generate", help="generate text with a policy")
     g.add_argument("--model", default="tiny",
                    help="tiny (default), tiny-random, smollm2-135m (the 'real' extra), a local model directory or a hub id")

@@ -32,6 +32,30 @@ Required
         the layer they wrap through this (never through its attributes).
     nbytes() -> dict[place, int]
         Bytes held now, per place (``"cpu"``, ``"cuda:0"``, ``"disk"``): allocated, not logical.
+    tier_nbytes() -> dict[tier, int]
+        The same bytes keyed by tier kind (``"device"``, ``"host"``, ``"disk"``): host-tier bytes
+        stay apart from compute-device bytes even when both are the CPU.
+    batch_size() -> int | None
+        The batch the layer holds (None before its first update); cheap, never materializes.
+
+Lifecycle (what save / load / fork / retier are made of)
+    state_dict() -> dict
+        The layer's whole state, lossless: flat keys, values are tensors (views of the layer's
+        own buffers, left where they live: device, host or disk) or plain JSON values
+        (``tiercache.layers.state``); a processor nests what it wraps (``inner.``, ``store.``).
+        Includes ``seen``, the spec and the recording flag. No side effect (no fetch, no copy).
+    load_state_dict(sd)
+        Replace the layer's state by ``sd`` (tensors copied onto this layer's own tiers). The
+        chain must be the one the same layer policy builds (the chain builder is the only
+        constructor). ``CacheError`` on a malformed state; then the layer is left empty.
+    export() -> (keys, values, seen) | None
+        What the layer holds at full precision, ``[B, H, S, D]`` on the compute device (the
+        newest ``S`` of ``seen`` tokens; quantized blocks dequantized into fresh tensors, other
+        layers may return views), None before the first update. No side effect.
+    ingest(keys, values, seen)
+        Bulk load, not an attention step: afterwards the layer holds what it would hold had it
+        been fed ``seen`` tokens ending with these (a sliding layer keeps its window and its
+        ``seen``; Quantize splits blocks and residual by the KIVI rule). Replaces any state.
 
 Optional hooks (no-op defaults here)
     prefetch()          start bringing the layer to the compute device (offload)
@@ -58,6 +82,7 @@ from tiercache.errors import CacheError
 class KVLayer(ABC):
     is_sliding: bool = False
     is_compileable: bool = False
+    policy = None  # the LayerPolicy it was built from (set by the chain builder on a chain's outer layer)
 
     @abstractmethod
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -88,6 +113,24 @@ class KVLayer(ABC):
 
     @abstractmethod
     def nbytes(self) -> dict[str, int]: ...
+
+    @abstractmethod
+    def tier_nbytes(self) -> dict[str, int]: ...
+
+    @abstractmethod
+    def batch_size(self) -> int | None: ...
+
+    @abstractmethod
+    def state_dict(self) -> dict: ...
+
+    @abstractmethod
+    def load_state_dict(self, sd: dict) -> None: ...
+
+    @abstractmethod
+    def export(self) -> tuple[torch.Tensor, torch.Tensor, int] | None: ...
+
+    @abstractmethod
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None: ...
 
     def max_length(self) -> int:
         return -1

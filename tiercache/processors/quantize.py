@@ -74,6 +74,7 @@ from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.spec import KVSpec
 from tiercache.processors import backends
+from tiercache.processors import quantize_state
 from tiercache.processors.blocks import BlockCodec
 from tiercache.processors.residual import Residual
 
@@ -100,7 +101,8 @@ class Quantize(KVLayer):
         if window is not None:
             if not isinstance(window, int) or window < 1:
                 raise CacheError(f"sliding window must be an int >= 1, got {window!r}")
-            self.store = make_store(window=-(-(window - 1) // self.g) + 1, chunk=chunk)
+            self.store_window = -(-(window - 1) // self.g) + 1  # blocks; it keeps one less
+            self.store = make_store(window=self.store_window, chunk=chunk)
         elif max_length is not None:
             if not isinstance(max_length, int) or max_length < 1:
                 raise CacheError(f"static storage needs max_length >= 1, got {max_length!r}")
@@ -132,9 +134,7 @@ class Quantize(KVLayer):
         sink = min(self.n_sinks - len(self.sinks), t)  # the first tokens seen stay exact
         full = key, value
         key, value, t = key.narrow(2, sink, t - sink), value.narrow(2, sink, t - sink), t - sink
-        codecs = self.codecs or tuple(
-            BlockCodec(self.backend, self.g, d, axis, spec.dtype)
-            for d, axis in ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
+        codecs = self.codecs or self._codecs(spec)
         held = len(self.residual)
         flush = flush_split(held, t, self.r, self.g)  # oldest tokens to pack now
         taken = min(flush, held)
@@ -264,6 +264,32 @@ class Quantize(KVLayer):
             return None
         return self._assemble(self._held_blocks(), None, None, workspace=False)
 
+    def tier_nbytes(self) -> dict[str, int]:
+        out = dict(self.store.tier_nbytes())
+        for size in (*self.residual.nbytes().values(), *self.sinks.nbytes().values()):
+            out["device"] = out.get("device", 0) + size
+        return out
+
+    def batch_size(self) -> int | None:
+        return None if self.spec is None else self.spec.batch
+
+    # -- lifecycle (tiercache.processors.quantize_state) ------------------------------------------
+    def state_dict(self) -> dict:
+        return quantize_state.state_dict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        quantize_state.load_state_dict(self, sd)
+
+    def export(self):
+        return quantize_state.export(self)
+
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
+        quantize_state.ingest(self, key, value, seen)
+
+    def adopt(self, other: "Quantize") -> None:
+        """Take ``other``'s state as held (same block format): packed blocks move, never re-quantized."""
+        quantize_state.adopt(self, other)
+
     def nbytes(self) -> dict[str, int]:
         out = dict(self.store.nbytes())
         for place, size in (*self.residual.nbytes().items(), *self.sinks.nbytes().items()):
@@ -289,7 +315,10 @@ class Quantize(KVLayer):
             codec.forget()
         self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
 
-    # -- internals ------------------------------------------------------------------------------
+    def _codecs(self, spec: KVSpec) -> tuple[BlockCodec, BlockCodec]:
+        return tuple(BlockCodec(self.backend, self.g, d, axis, spec.dtype)
+                     for d, axis in ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
+
     def _held_blocks(self):
         if not self.stored:
             return None

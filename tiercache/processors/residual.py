@@ -1,12 +1,8 @@
-"""``Residual``: tokens held exactly, in full precision, in exactly-sized tensors.
+"""``Residual``: tokens of a quantized layer held exactly, in full precision, exactly sized.
 
-    Residual()                   empty; ``len(r)`` tokens held; ``keys`` / ``values`` ``[B, H, r, D]`` or None
-    view(lo=0, hi=None)          ``(keys, values)`` of tokens ``lo:hi`` (views)
-    replace(drop, key, value)    forget the oldest ``drop``, append ``key`` / ``value`` (copied)
-    truncate(n)                  forget the newest ``n``
-    gather(index)                select / reorder batch rows
-    clear()                      forget everything
-    nbytes() -> {place: bytes}   what it holds
+    Residual()   keys / values ``[B, H, r, D]`` (or None); ``len``, ``view(lo, hi)``,
+                 ``replace(drop, key, value)``, ``truncate(n)``, ``gather(index)``, ``clear()``,
+                 ``nbytes()``, ``state_dict()`` / ``load_state_dict(sd, spec)``
 
 ``Quantize`` keeps two: the KIVI residual (the newest tokens, before they are packed) and the
 attention sinks (the first tokens, never packed).
@@ -16,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from tiercache.layers.state import held_pair
 from tiercache.tiers import place_of
 
 
@@ -66,3 +63,17 @@ class Residual:
             return {}
         size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
         return {place_of(self.keys.device): size}
+
+    def state_dict(self) -> dict:
+        return {"keys": self.keys, "values": self.values}
+
+    def load_state_dict(self, sd: dict, spec) -> None:
+        """Copy the state's tokens onto the compute device ``spec.device`` (checked first)."""
+        k = sd.get("keys")
+        if k is None and sd.get("values") is None:
+            self.clear()
+            return
+        n = k.shape[2] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
+        k, v = held_pair(sd, spec, n, "quantize (residual)")
+        self.keys, self.values = (t.to(spec.device, copy=True, memory_format=torch.contiguous_format)
+                                  for t in (k, v))
