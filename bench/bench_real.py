@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--greedy-tokens", type=int, default=16)
     p.add_argument("--contexts", type=_ints, default=[1024, 4096, 6144], help="retrieval context lengths ('' for none)")
     p.add_argument("--depths", type=_floats, default=[0.3, 0.7])
+    p.add_argument("--retrieval-setups", default=None, help="comma-separated: retrieval for these only (default: all)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="out/real")
     p.add_argument("--sensitivity", action="store_true", help="measure per-layer cost and write configs/int2-mixed.yaml")
@@ -65,8 +66,9 @@ def main(argv=None) -> int:
     if args.sensitivity:
         return _sensitivity(model, tok, args)
     names = [n.strip() for n in args.setups.split(",") if n.strip()]
-    rows, meta = realbench.run(model, tok, names, args.prompt, args.tokens, args.texts.split(","),
-                               args.greedy_tokens, args.contexts, args.depths)
+    rows, meta = realbench.run(model, tok, names, args.prompt, args.tokens, [k for k in args.texts.split(",") if k],
+                               args.greedy_tokens, args.contexts, args.depths, retrieval_names=None if
+                               args.retrieval_setups is None else args.retrieval_setups.split(","))
     meta.update(model=args.model, device="cpu", dtype="float32", torch=torch.__version__,
                 python=platform.python_version(), cpu=platform.processor() or platform.machine(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))

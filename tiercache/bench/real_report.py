@@ -35,7 +35,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         cells.append(f"{r['greedy']:.3f}" if "greedy" in r else "")
         got = sum(g for g, _ in r["retrieval"].values())
         asked = sum(a for _, a in r["retrieval"].values())
-        cells.append(f"{got}/{asked} ({100 * got / asked:.0f}%)" if asked else "")
+        cells.append(f"{got}/{asked} ({100 * got / asked:.0f}%)" if asked else "not run")
         lines.append("| " + " | ".join(cells) + " |")
     out = "\n".join(lines)
     lengths = sorted({int(n) for r in rows for n in r["retrieval"]})

@@ -6,7 +6,8 @@ Interface
   ``configs/`` (skipped when absent), or a transformers baseline name from ``setups.BASELINES``);
   ``DEFAULT``: the names run by default. Group 64, residual 128, keys per channel, values per
   token everywhere, as transformers' QuantizedCache is configured.
-- ``run(model, tok, names, prompt, tokens, kinds, greedy_tokens, contexts, depths, log) -> (rows, meta)``:
+- ``run(model, tok, names, prompt, tokens, kinds, greedy_tokens, contexts, depths, log, retrieval_names=None)
+  -> (rows, meta)``: (retrieval for ``retrieval_names`` only, when given, and the reference)
   every measurement of every setup. Prompts are prefilled once and fed to each setup's cache
   (``seeded``); rows hold ``bytes`` (after ``prompt + tokens`` tokens of the first text), ``tok_s``
   (teacher-forced decode steps per second, all texts), ``ppl`` / ``ppl_delta`` per text kind
@@ -56,7 +57,8 @@ def _close(cache) -> None:
         cache.close()
 
 
-def run(model, tok, names, prompt: int, tokens: int, kinds, greedy_tokens: int, contexts, depths, log=print):
+def run(model, tok, names, prompt: int, tokens: int, kinds, greedy_tokens: int, contexts, depths, log=print,
+        retrieval_names=None):
     start = time.perf_counter()
     unknown = [n for n in names if n not in SETUPS]
     if unknown:
@@ -97,16 +99,17 @@ def run(model, tok, names, prompt: int, tokens: int, kinds, greedy_tokens: int, 
                 _close(cache)
                 ref_tokens = out if ref_tokens is None else ref_tokens
                 rows[n]["greedy"] = quality.agreement(out, ref_tokens)
+    asked = names if retrieval_names is None else [n for n in names if n in retrieval_names or n == "DynamicCache"]
     for sample in retrieval.samples(tok, contexts, depths) if contexts else []:
         pre = seeded.prefill(model, sample.context)
-        for n in names:
+        for n in asked:
             cache = seeded.seed(make[n](), pre)
             ok = retrieval.found(retrieval.answer(model, cache, sample, tok), sample.key)
             _close(cache)
-            got, asked = rows[n]["retrieval"].get(sample.length, (0, 0))
-            rows[n]["retrieval"][sample.length] = (got + ok, asked + 1)
+            got, tried = rows[n]["retrieval"].get(sample.length, (0, 0))
+            rows[n]["retrieval"][sample.length] = (got + ok, tried + 1)
         log(f"retrieval {sample.length} tokens, depth {sample.depth:.2f}: " + ", ".join(
-            f"{n} {rows[n]['retrieval'][sample.length][0]}" for n in names))
+            f"{n} {rows[n]['retrieval'][sample.length][0]}" for n in asked))
     for row in rows.values():
         row["tok_s"] = row["steps"] / row["seconds"] if row["seconds"] else None
         got = sum(g for g, _ in row["retrieval"].values())
