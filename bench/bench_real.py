@@ -3,7 +3,7 @@ policies and transformers' caches in the same run.
 
     python bench/bench_real.py                          # the demo size (make demo-real): ~10 min on 2 cores
     python bench/bench_real.py --tokens 256 --contexts 1024,2048,4096,7168 --depths 0.1,0.3,0.5,0.7,0.9
-    python bench/bench_real.py --sensitivity            # per-layer int2 cost -> configs/int2-mixed.yaml
+    python bench/bench_real.py --sensitivity            # per-layer int2 cost -> configs/<model>/int2-mixed.yaml
 
 Per setup (``tiercache.bench.realbench``): KV bytes, decode tokens/s (teacher-forced steps),
 perplexity on held-out stdlib code and prose after a ``--prompt``-token prefill (``--tokens``
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--retrieval-setups", default=None, help="comma-separated: retrieval for these only (default: all)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="out/real")
-    p.add_argument("--sensitivity", action="store_true", help="measure per-layer cost and write configs/int2-mixed.yaml")
+    p.add_argument("--sensitivity", action="store_true", help="measure per-layer cost and write configs/<model>/int2-mixed.yaml")
     p.add_argument("--upgrade", type=int, default=4, help="--sensitivity: layers kept at int4")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -92,7 +92,8 @@ def _sensitivity(model, tok, args) -> int:
                                f"cost the most perplexity on {args.model} (bench/bench_real.py --sensitivity) at int4")
     import yaml
 
-    out = Path(__file__).resolve().parents[1] / "configs" / "int2-mixed.yaml"
+    out = Path(__file__).resolve().parents[1] / "configs" / args.model / "int2-mixed.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(policy, sort_keys=False))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "sensitivity.json").write_text(json.dumps({"model": args.model, "costs": costs}, indent=1))

@@ -98,3 +98,19 @@ def test_real_model_generates_exactly_with_a_full_precision_policy():
                               max_new_tokens=8, do_sample=False)
     assert torch.equal(ref, ours)
     assert tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_model_specific_configs_validate_and_plan_on_their_model(capsys):
+    """``configs/<model>/*.yaml`` (mixed precision measured on that model) name its layers."""
+    from pathlib import Path
+
+    import tiercache
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    found = sorted(p for p in root.glob("*/*.yaml") if p.parent.name in builtin.NAMES)
+    assert found
+    for path in found:
+        policy = tiercache.load_policy(path)
+        assert policy.name == path.stem and policy.description
+        assert main(["validate", str(path), "--model", path.parent.name]) == 0
+        assert main(["plan", str(path), "--model", path.parent.name, "--context", "8192"]) == 0

@@ -17,7 +17,7 @@ SCRIPTS = [
                  ["tiercache Quantize (native, KIVI)", "QuantizedCache"], id="quantize"),
     pytest.param("bench_offload.py", ["--context", "64", "--new", "4", "--warmup", "1"],
                  ["| offload+int4 |", "bus bytes"], id="offload"),
-    pytest.param("bench_real.py", ["--model", "tiny", "--prompt", "96", "--tokens", "4", "--contexts", "300",
+    pytest.param("bench_real.py", ["--model", "tiny", "--prompt", "96", "--tokens", "4", "--contexts", "400",
                                    "--depths", "0.5", "--greedy-tokens", "2", "--threads", "1",
                                    "--setups", "DynamicCache,int2 +sinks +clip,QuantizedCache quanto int2"],
                  ["| int2 +sinks +clip |", "| QuantizedCache quanto int2 |", "Pass-key retrieval"], id="real"),

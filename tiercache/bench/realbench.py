@@ -38,7 +38,7 @@ SETUPS = {
     "int2 +sinks +clip": ("int2, 4 sinks, clipping search", {**K, "bits": 2, "sink_tokens": 4, "clip": "mse"}),
     "int2 +sinks +clip +V/channel": ("int2, 4 sinks, clipping search, values per channel",
                                      {**K, "bits": 2, "sink_tokens": 4, "clip": "mse", "value_axis": "channel"}),
-    "int2-mixed": ("int2 sinks+clip, the 4 most sensitive layers int4", "int2-mixed.yaml"),
+    "int2-mixed": ("int2 sinks+clip, the 4 most sensitive layers int4", "smollm2-135m/int2-mixed.yaml"),
 }
 DEFAULT = tuple(n for n in SETUPS if n != "int2 +sinks +clip +V/channel")  # that one: an ablation on request
 
