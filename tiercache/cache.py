@@ -15,10 +15,8 @@ layer's K/V are transformers' placeholders (``tiercache.placeholders``).
 Returned K/V may be views of internal buffers, valid until the next call on the cache (as with
 transformers' own caches, attention consumes them at once).
 
-Lifecycle (``tiercache.lifecycle``): ``fork()`` (also ``copy.deepcopy`` / ``copy.copy``) gives an
-independent copy, ``retier(policy)`` moves the cache to another policy in place, ``save(path,
-token_ids=None)`` / ``TieredCache.load(path, model_config, policy=None)`` persist it. All go
-through the layer protocol (``state_dict`` / ``load_state_dict``, ``export`` / ``ingest``).
+Lifecycle (``tiercache.lifecycle``, through the layer protocol): ``fork()`` (also ``copy.deepcopy``),
+``retier(policy)`` in place, ``save(path, token_ids=None)`` / ``TieredCache.load(path, config, policy=None)``.
 
 Legacy tuples (``tiercache.legacy``): ``TieredCache.from_legacy(past, policy, config)`` and
 ``cache.to_legacy()``. Encoder-decoder models: ``TieredCache.for_encoder_decoder(policy, config)``
@@ -59,8 +57,7 @@ class TieredCache(Cache):
 
     @classmethod
     def layer_policies(cls, policy: Policy, model: ModelSpec) -> list:
-        """The layer policies a cache of this class is made of under ``policy`` (what ``_build``,
-        ``retier`` and ``load`` rebuild layers from); a cross-attention half answers its own."""
+        """The layer policies this class builds for ``policy`` (``_build``, ``retier``, ``load``): a hook."""
         return policy.resolve(model)
 
     @classmethod
@@ -106,9 +103,8 @@ class TieredCache(Cache):
 
     @classmethod
     def for_encoder_decoder(cls, policy, model_config) -> "TieredEncoderDecoderCache":
-        """What ``generate(past_key_values=...)`` takes for BART, T5, Whisper ...: an
-        ``EncoderDecoderCache`` of two TieredCaches, the decoder's self-attention following the
-        policy, the cross-attention its ``cross_attention:`` section (default full precision)."""
+        """What ``generate(past_key_values=...)`` takes for BART, T5, Whisper ...: an ``EncoderDecoderCache`` of
+        two TieredCaches, self-attention per the policy, cross-attention per its ``cross_attention:`` section."""
         check_supported(model_config)
         policy, model = load_policy(policy), spec_of(model_config)
         cross = CrossAttentionCache._build(policy, model, model_type_of(model_config))  # PolicyError: decoder-only
@@ -285,10 +281,10 @@ class TieredCache(Cache):
     def load(cls, path, model_config, *, policy=None, device=None) -> "TieredCache":
         """A cache saved by ``save``, for this model; ``policy=`` re-tiers it on the way in,
         ``device=`` sets the compute device (default: the one it was saved from)."""
-        from tiercache.lifecycle.persist import load
-        from tiercache.lifecycle.retier import retiered
+        from tiercache.lifecycle import persist, retier
 
-        return retiered(load(cls, path, spec_of(model_config), model_type_of(model_config), device), policy)
+        return retier.retiered(persist.load(cls, path, spec_of(model_config), model_type_of(model_config), device),
+                               policy)
 
     def shared_buffers(self) -> list[torch.Tensor]:
         """The tensors behind ``shared_nbytes()`` (e.g. for ``tiercache.lifecycle.AllocationMeter``)."""
@@ -325,16 +321,14 @@ class TieredCache(Cache):
 
 class CrossAttentionCache(TieredCache):
     """The cross-attention half of a ``TieredEncoderDecoderCache``: its layers follow the policy's
-    ``cross_attention`` section (``tiercache.cross_attention``), so ``retier`` / ``fork`` keep them
-    cross-attention layers. Saved only with its self-attention half (the encoder-decoder cache's ``save``)."""
+    ``cross_attention`` section (``tiercache.cross_attention``); it is saved only with its pair."""
 
     @classmethod
     def layer_policies(cls, policy: Policy, model: ModelSpec) -> list:
         return cross_layer_policies(policy, model)
 
     def save(self, path, token_ids=None) -> None:
-        raise CacheError("save: the cross-attention half is saved with its self-attention half: call save on the "
-                         "TieredEncoderDecoderCache (TieredEncoderDecoderCache.load reads it back)")
+        raise CacheError("save: a cross-attention half is saved with its pair: save the TieredEncoderDecoderCache")
 
 
 class TieredEncoderDecoderCache(EncoderDecoderCache):
@@ -343,14 +337,11 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
     transformers keeps ``crop`` / ``batch_select_indices`` / ``batch_repeat_interleave`` for two
     DynamicCaches; TieredCaches support them too (assisted decoding crops the self-attention half).
     ``nbytes()`` and ``close()`` cover both halves; ``cross_nbytes()`` is the cross-attention part.
-    ``retier(policy)`` moves both halves, all or nothing; ``save(path, token_ids=None)`` writes both
-    and ``is_updated`` to one file, ``TieredEncoderDecoderCache.load(path, config, policy=None)``
-    reads it back (``tiercache.lifecycle``).
+    ``retier`` / ``save`` / ``load`` cover both halves too (``tiercache.lifecycle``).
     """
 
     def retier(self, policy) -> None:
-        """Self-attention per ``policy``, cross-attention per its ``cross_attention`` section; refused
-        before any layer moves, rolled back on failure (``tiercache.lifecycle.retier.retier_all``)."""
+        """Self-attention per ``policy``, cross-attention per its ``cross_attention`` section, all or nothing."""
         from tiercache.lifecycle.retier import retier_all
 
         retier_all([self.self_attention_cache, self.cross_attention_cache], policy)
@@ -363,15 +354,14 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
     @classmethod
     def load(cls, path, model_config, *, policy=None, device=None) -> "TieredEncoderDecoderCache":
         """An encoder-decoder save, for this model; ``policy=`` / ``device=`` as ``TieredCache.load``."""
-        from tiercache.lifecycle.persist import load
-        from tiercache.lifecycle.retier import retiered
+        from tiercache.lifecycle import persist, retier
 
         check_supported(model_config)
-        this, cross, flags = load(TieredCache, path, spec_of(model_config), model_type_of(model_config), device,
-                                  CrossAttentionCache)
+        this, cross, flags = persist.load(TieredCache, path, spec_of(model_config), model_type_of(model_config),
+                                          device, CrossAttentionCache)
         cache = cls(this, cross)
         cache.is_updated = flags
-        return retiered(cache, policy)
+        return retier.retiered(cache, policy)
 
     @property
     def token_ids(self) -> list | None:
