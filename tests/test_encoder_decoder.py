@@ -248,15 +248,3 @@ def test_t5gemma_is_refused_with_the_reason():
     config = tf.T5GemmaConfig(encoder=tf.T5GemmaModuleConfig(num_hidden_layers=1), vocab_size=128)
     with pytest.raises(PolicyError, match="t5gemma is not supported .* replaces the cross-attention cache"):
         TieredCache.for_encoder_decoder({}, config)
-
-
-def test_the_cross_half_refuses_what_would_rebuild_it_as_self_attention(tmp_path):
-    model, inputs = build_seq2seq("bart"), seq2seq_inputs("bart")
-    cache = TieredCache.for_encoder_decoder({}, model.config)
-    teacher_forced(model, cache, inputs, 3)
-    before = cache.to_legacy()
-    for op in (lambda c: c.retier({"quantize": {"bits": 4}}), lambda c: c.save(tmp_path / "x")):
-        with pytest.raises(CacheError, match="cross-attention half"):
-            op(cache.cross_attention_cache)
-    assert all(torch.equal(a, b) for x, y in zip(before, cache.to_legacy()) for a, b in zip(x, y))
-    assert not any(tmp_path.iterdir())

@@ -1,6 +1,7 @@
 """tiercache: a memory-tiered KV cache for LLM generation.
 
-Public API: ``load_policy``, ``Policy``, ``TieredCache``, ``plan``, ``PolicyError``, ``CacheError``.
+Public API: ``load_policy``, ``Policy``, ``TieredCache``, ``plan``, ``PolicyError``, ``CacheError``
+(and ``TieredEncoderDecoderCache``, what ``TieredCache.for_encoder_decoder`` returns).
 ``TieredCache`` and ``plan`` are imported lazily so that the torch-only parts load without
 transformers.
 """
@@ -10,14 +11,14 @@ from tiercache.policy import Policy, load_policy
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheError", "Policy", "PolicyError", "TieredCache", "load_policy", "plan"]
+__all__ = ["CacheError", "Policy", "PolicyError", "TieredCache", "TieredEncoderDecoderCache", "load_policy", "plan"]
 
 
 def __getattr__(name):
-    if name == "TieredCache":
-        from tiercache.cache import TieredCache
+    if name in ("TieredCache", "TieredEncoderDecoderCache"):
+        from tiercache import cache
 
-        return TieredCache
+        return getattr(cache, name)
     if name in ("plan", "Plan"):
         from tiercache import planner
 

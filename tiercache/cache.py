@@ -15,10 +15,8 @@ layer's K/V are transformers' placeholders (``tiercache.placeholders``).
 Returned K/V may be views of internal buffers, valid until the next call on the cache (as with
 transformers' own caches, attention consumes them at once).
 
-Lifecycle (``tiercache.lifecycle``): ``fork()`` (also ``copy.deepcopy`` / ``copy.copy``) gives an
-independent copy, ``retier(policy)`` moves the cache to another policy in place, ``save(path,
-token_ids=None)`` / ``TieredCache.load(path, model_config, policy=None)`` persist it. All go
-through the layer protocol (``state_dict`` / ``load_state_dict``, ``export`` / ``ingest``).
+Lifecycle (``tiercache.lifecycle``, through the layer protocol): ``fork()`` (also ``copy.deepcopy``),
+``retier(policy)`` in place, ``save(path, token_ids=None)`` / ``TieredCache.load(path, config, policy=None)``.
 
 Legacy tuples (``tiercache.legacy``): ``TieredCache.from_legacy(past, policy, config)`` and
 ``cache.to_legacy()``. Encoder-decoder models: ``TieredCache.for_encoder_decoder(policy, config)``
@@ -32,9 +30,10 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 from tiercache.chain import build_layers
+from tiercache.cross_attention import check_supported, cross_layer_policies
 from tiercache.errors import CacheError, PolicyError
 from tiercache.layers.base import KVLayer
-from tiercache.model_spec import ModelSpec
+from tiercache.model_spec import ModelSpec, model_type_of, spec_of
 from tiercache.placeholders import Placeholders
 from tiercache.policy import Policy, load_policy
 
@@ -53,8 +52,13 @@ class TieredCache(Cache):
     @classmethod
     def _build(cls, policy: Policy, model: ModelSpec, model_type: str | None = None) -> "TieredCache":
         """An empty cache of a concrete (not ``auto``) policy: the chain builder is the only constructor."""
-        layers, shared = build_layers(policy.resolve(model))
+        layers, shared = build_layers(cls.layer_policies(policy, model))
         return cls(layers, policy, model, shared, model_type)
+
+    @classmethod
+    def layer_policies(cls, policy: Policy, model: ModelSpec) -> list:
+        """The layer policies this class builds for ``policy`` (``_build``, ``retier``, ``load``): a hook."""
+        return policy.resolve(model)
 
     @classmethod
     def from_policy(cls, policy, model_config, batch_size: int = 1, context_length: int | None = None) -> "TieredCache":
@@ -65,7 +69,7 @@ class TieredCache(Cache):
         length the policy's ``max_length`` is planned for, else 4096 tokens.
         """
         policy = load_policy(policy)
-        model = _spec(model_config)
+        model = spec_of(model_config)
         if model.cross_attention and not isinstance(model_config, ModelSpec):
             raise PolicyError(
                 f"{type(model_config).__name__} is an encoder-decoder model: its layers attend to themselves and to "
@@ -89,7 +93,7 @@ class TieredCache(Cache):
         and the cache of ``for_encoder_decoder`` comes back."""
         from tiercache import legacy
 
-        return legacy.build(cls, past, load_policy(policy), _spec(model_config), seq_length)
+        return legacy.build(cls, past, load_policy(policy), spec_of(model_config), seq_length)
 
     def to_legacy(self) -> tuple:
         """Per layer ``(keys, values)`` at full precision, fresh tensors (``()`` when empty)."""
@@ -99,19 +103,12 @@ class TieredCache(Cache):
 
     @classmethod
     def for_encoder_decoder(cls, policy, model_config) -> "TieredEncoderDecoderCache":
-        """What ``generate(past_key_values=...)`` takes for BART, T5, Whisper ...: an
-        ``EncoderDecoderCache`` of two TieredCaches, the decoder's self-attention following the
-        policy, the cross-attention its ``cross_attention:`` section (default full precision)."""
-        from tiercache.cross_attention import check_supported, cross_layer_policies
-
+        """What ``generate(past_key_values=...)`` takes for BART, T5, Whisper ...: an ``EncoderDecoderCache`` of
+        two TieredCaches, self-attention per the policy, cross-attention per its ``cross_attention:`` section."""
         check_supported(model_config)
-        policy = load_policy(policy)
-        model = _spec(model_config)
-        cross_layers = cross_layer_policies(policy, model)  # PolicyError for a decoder-only model
-        self_attention = cls.from_policy(policy, model)
-        layers, shared = build_layers(cross_layers)
-        cross = CrossAttentionCache(layers, policy, model, shared, model_type_of(model_config))
-        return TieredEncoderDecoderCache(self_attention, cross)
+        policy, model = load_policy(policy), spec_of(model_config)
+        cross = CrossAttentionCache._build(policy, model, model_type_of(model_config))  # PolicyError: decoder-only
+        return TieredEncoderDecoderCache(cls.from_policy(policy, model), cross)
 
     # -- the write path --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -231,24 +228,16 @@ class TieredCache(Cache):
     # -- accounting ------------------------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:
         """Bytes held now, per place (``cpu``, ``cuda:0``, ``disk`` ...)."""
-        total: dict[str, int] = {}
         holders = [*self.layers, *([self._shared] if self._shared is not None else [])]
-        for holder in holders:
-            for place, n in holder.nbytes().items():
-                total[place] = total.get(place, 0) + n
-        return total
+        return _summed(holder.nbytes() for holder in holders)
 
     def tier_nbytes(self) -> dict[str, int]:
         """Bytes held now, per tier (``device``, ``host``, ``disk``): host-tier bytes apart from
         compute-device bytes even on a CPU-only machine (the shared buffers are device bytes)."""
-        total: dict[str, int] = {}
         parts = [layer.tier_nbytes() for layer in self.layers]
         if self._shared is not None:
             parts.append({"device": sum(self._shared.nbytes().values())})
-        for part in parts:
-            for tier, n in part.items():
-                total[tier] = total.get(tier, 0) + n
-        return {tier: n for tier, n in total.items() if n}
+        return {tier: n for tier, n in _summed(parts).items() if n}
 
     def shared_nbytes(self) -> dict[str, int]:
         """The part of ``nbytes()`` in buffers shared by all layers, per place: the dequantization
@@ -292,17 +281,10 @@ class TieredCache(Cache):
     def load(cls, path, model_config, *, policy=None, device=None) -> "TieredCache":
         """A cache saved by ``save``, for this model; ``policy=`` re-tiers it on the way in,
         ``device=`` sets the compute device (default: the one it was saved from)."""
-        from tiercache.lifecycle.persist import load
+        from tiercache.lifecycle import persist, retier
 
-        model = model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
-        cache = load(cls, path, model, model_type_of(model_config), device)
-        if policy is not None:
-            try:
-                cache.retier(policy)
-            except Exception:
-                cache.close()
-                raise
-        return cache
+        return retier.retiered(persist.load(cls, path, spec_of(model_config), model_type_of(model_config), device),
+                               policy)
 
     def shared_buffers(self) -> list[torch.Tensor]:
         """The tensors behind ``shared_nbytes()`` (e.g. for ``tiercache.lifecycle.AllocationMeter``)."""
@@ -339,17 +321,14 @@ class TieredCache(Cache):
 
 class CrossAttentionCache(TieredCache):
     """The cross-attention half of a ``TieredEncoderDecoderCache``: its layers follow the policy's
-    ``cross_attention`` section (``tiercache.cross_attention``), not ``policy.resolve``, so the
-    operations that rebuild layers from a policy refuse it for now; ``fork`` (each layer's own
-    policy) and everything else work."""
+    ``cross_attention`` section (``tiercache.cross_attention``); it is saved only with its pair."""
 
-    def retier(self, policy) -> None:
-        raise CacheError("retier: not supported on the cross-attention half of an encoder-decoder cache yet "
-                         "(its layers follow the policy's cross_attention section); retier the self-attention half")
+    @classmethod
+    def layer_policies(cls, policy: Policy, model: ModelSpec) -> list:
+        return cross_layer_policies(policy, model)
 
     def save(self, path, token_ids=None) -> None:
-        raise CacheError("save: not supported on the cross-attention half of an encoder-decoder cache yet; "
-                         "to_legacy() gives its K/V")
+        raise CacheError("save: a cross-attention half is saved with its pair: save the TieredEncoderDecoderCache")
 
 
 class TieredEncoderDecoderCache(EncoderDecoderCache):
@@ -358,7 +337,35 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
     transformers keeps ``crop`` / ``batch_select_indices`` / ``batch_repeat_interleave`` for two
     DynamicCaches; TieredCaches support them too (assisted decoding crops the self-attention half).
     ``nbytes()`` and ``close()`` cover both halves; ``cross_nbytes()`` is the cross-attention part.
+    ``retier`` / ``save`` / ``load`` cover both halves too (``tiercache.lifecycle``).
     """
+
+    def retier(self, policy) -> None:
+        """Self-attention per ``policy``, cross-attention per its ``cross_attention`` section, all or nothing."""
+        from tiercache.lifecycle.retier import retier_all
+
+        retier_all([self.self_attention_cache, self.cross_attention_cache], policy)
+
+    def save(self, path, token_ids=None) -> None:
+        from tiercache.lifecycle.persist import save
+
+        save(self.self_attention_cache, path, token_ids, self.cross_attention_cache, self.is_updated)
+
+    @classmethod
+    def load(cls, path, model_config, *, policy=None, device=None) -> "TieredEncoderDecoderCache":
+        """An encoder-decoder save, for this model; ``policy=`` / ``device=`` as ``TieredCache.load``."""
+        from tiercache.lifecycle import persist, retier
+
+        check_supported(model_config)
+        this, cross, flags = persist.load(TieredCache, path, spec_of(model_config), model_type_of(model_config),
+                                          device, CrossAttentionCache)
+        cache = cls(this, cross)
+        cache.is_updated = flags
+        return retier.retiered(cache, policy)
+
+    @property
+    def token_ids(self) -> list | None:
+        return self.self_attention_cache.token_ids  # as TieredCache.token_ids: given to save, set by load
 
     def check_dynamic_cache(self, method: str) -> None:
         for half in (self.self_attention_cache, self.cross_attention_cache):
@@ -367,10 +374,7 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held now by both halves, per place (``cpu``, ``cuda:0``, ``disk`` ...)."""
-        total = dict(self.self_attention_cache.nbytes())
-        for place, n in self.cross_nbytes().items():
-            total[place] = total.get(place, 0) + n
-        return total
+        return _summed([self.self_attention_cache.nbytes(), self.cross_nbytes()])
 
     def cross_nbytes(self) -> dict[str, int]:
         return self.cross_attention_cache.nbytes()
@@ -388,14 +392,9 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
         self.cross_attention_cache.close()
 
 
-def _spec(model_config) -> ModelSpec:
-    return model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
-
-
-def model_type_of(model_config) -> str | None:
-    """The ``model_type`` of a transformers config (its text config), None for a ModelSpec."""
-    if isinstance(model_config, ModelSpec):
-        return None
-    if hasattr(model_config, "get_text_config"):
-        model_config = model_config.get_text_config(decoder=True)
-    return getattr(model_config, "model_type", None) or None
+def _summed(parts) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for part in parts:
+        for key, n in part.items():
+            total[key] = total.get(key, 0) + n
+    return total

@@ -236,3 +236,17 @@ PRESETS: dict[str, ModelSpec] = {
                   cross_attention=True),
     )
 }
+
+
+def spec_of(model_config) -> ModelSpec:
+    """A transformers config read as a ``ModelSpec`` (a ModelSpec as it is)."""
+    return model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
+
+
+def model_type_of(model_config) -> str | None:
+    """The ``model_type`` of a transformers config (its text config), None for a ModelSpec."""
+    if isinstance(model_config, ModelSpec):
+        return None
+    if hasattr(model_config, "get_text_config"):
+        model_config = model_config.get_text_config(decoder=True)
+    return getattr(model_config, "model_type", None) or None

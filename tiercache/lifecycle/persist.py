@@ -7,7 +7,14 @@ entry, ``tiercache``, a JSON header:
     format ("tiercache-cache"), format_version (1), tiercache_version, policy (the resolved
     policy as a dict), model (a fingerprint: model_type, layer kinds, KV shape per layer, dtype,
     window, KV sharing), seen (tokens seen), token_ids (or null), layers (per layer: its
-    state's plain values and the names of its tensors), sha256 (per tensor, of its bytes).
+    state's plain values and the names of its tensors), sha256 (per tensor, of its bytes),
+    kind ("decoder-only", the default when absent, or "encoder-decoder").
+An encoder-decoder save (``TieredEncoderDecoderCache.save``) is the same file with the
+self-attention half as above and its cross-attention half under ``cross_attention`` (its own
+policy, seen, layers, and ``is_updated``: transformers' per-layer "cross K/V written" flags),
+tensors named ``cross_attention.layers.{i}.``; each half is rebuilt by its own cache class
+(``_build``: the class's layer policies), so cross-attention layers come back as such. Loading
+one kind as the other is a ``CacheError`` naming both.
 So a saved int4 cache takes about its ``nbytes()`` on disk (without the shared workspace).
 
 Safe: the file is written under a temporary name in the same directory, fsync-ed, then renamed
@@ -33,6 +40,7 @@ from tiercache.errors import CacheError, PolicyError
 from tiercache.policy import Policy
 
 FORMAT, VERSION = "tiercache-cache", 1
+DECODER_ONLY, ENCODER_DECODER, CROSS = "decoder-only", "encoder-decoder", "cross_attention"
 _ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
        torch.uint8: "U8", torch.int8: "I8", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3",
        torch.float8_e5m2: "F8_E5M2"}
@@ -46,34 +54,48 @@ def fingerprint(model, model_type: str | None) -> dict:
             "kv_sharing": None if model.kv_sharing_modes is None else list(model.kv_sharing_modes)}
 
 
-def save(cache, path, token_ids=None) -> None:
+def save(cache, path, token_ids=None, cross=None, is_updated=None) -> None:
+    """``cross``: the cross-attention half of an encoder-decoder cache (``cache`` is then its
+    self-attention half), saved in the same file with ``is_updated`` (transformers' per-layer flags)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise CacheError(f"save: {path!r} is a directory; give a file path (e.g. cache.safetensors)")
     ids = _token_ids(token_ids)
-    tensors, layers = {}, []
+    tensors: dict = {}
+    from tiercache import __version__
+
+    header = {"format": FORMAT, "format_version": VERSION, "tiercache_version": __version__,
+              "kind": DECODER_ONLY if cross is None else ENCODER_DECODER,
+              "model": fingerprint(cache.model, cache.model_type), "token_ids": ids, **_half(cache, "", tensors)}
+    if cross is not None:
+        header[CROSS] = {**_half(cross, f"{CROSS}.", tensors),
+                         "is_updated": [bool(is_updated.get(i, False)) for i in range(len(cross.layers))]}
+    header["sha256"] = {name: _sha256(t) for name, t in tensors.items()}
+    _write_atomic(path, tensors, json.dumps(header))
+
+
+def _half(cache, prefix: str, tensors: dict) -> dict:
+    """One cache's header entries (policy, seen, layers); its tensors go to ``tensors`` as ``{prefix}layers.{i}.``."""
+    layers = []
     for i, layer in enumerate(cache.layers):
         state, names = {}, []
         for key, value in layer.state_dict().items():
             if isinstance(value, torch.Tensor):
                 if value.dtype not in _ST:
-                    raise CacheError(f"save: layer {i} holds {key} as {value.dtype}, which has no safetensors type")
-                tensors[f"layers.{i}.{key}"] = value
+                    raise CacheError(f"save: {prefix}layer {i} holds {key} as {value.dtype}, which has no "
+                                     "safetensors type")
+                tensors[f"{prefix}layers.{i}.{key}"] = value
                 names.append(key)
             else:
                 state[key] = value
         layers.append({"state": state, "tensors": names})
-    from tiercache import __version__
-
-    header = {"format": FORMAT, "format_version": VERSION, "tiercache_version": __version__,
-              "policy": cache.policy.to_dict(), "model": fingerprint(cache.model, cache.model_type),
-              "seen": cache.get_seq_length(), "token_ids": ids, "layers": layers,
-              "sha256": {name: _sha256(t) for name, t in tensors.items()}}
-    _write_atomic(path, tensors, json.dumps(header))
+    return {"policy": cache.policy.to_dict(), "seen": cache.get_seq_length(), "layers": layers}
 
 
-def load(cls, path, model, model_type: str | None, device=None):
-    """``device``: the compute device to load onto (default: the one it was saved from)."""
+def load(cls, path, model, model_type: str | None, device=None, cross_cls=None):
+    """``device``: the compute device to load onto (default: the one it was saved from).
+    ``cross_cls`` given: an encoder-decoder save is expected and ``(self_attention, cross_attention,
+    is_updated)`` come back, the cross half built by ``cross_cls`` (its own layer policies)."""
     path = os.fspath(path)
     if device is not None:
         try:
@@ -84,25 +106,46 @@ def load(cls, path, model, model_type: str | None, device=None):
         raise CacheError(f"load: no saved cache at {path!r}" + (" (a directory)" if os.path.isdir(path) else ""))
     from safetensors import safe_open
 
+    built = []
     try:
         with safe_open(path, framework="pt") as f:
             header = _header(f.metadata(), path)
+            _check_kind(header, cross_cls is not None, path)
             _check_model(header["model"], fingerprint(model, model_type), path)
-            try:
-                policy = Policy.from_dict(header["policy"])
-            except PolicyError as e:
-                raise CacheError(f"load: {path!r}: the saved policy is invalid: {e}") from e
-            cache = cls._build(policy, model, model_type)
-            try:
-                _load_layers(cache, f, header, path, device)
-            except BaseException:
-                cache.close()
-                raise
-    except CacheError:
-        raise
-    except Exception as e:  # safetensors: truncated or malformed file
+            halves = [(cls, "", header)] + ([(cross_cls, f"{CROSS}.", header[CROSS])] if cross_cls else [])
+            for kind, prefix, entry in halves:
+                built.append(_load_half(kind, f, entry, prefix, header["sha256"], model, model_type, path, device))
+    except BaseException as e:
+        for cache in built:
+            cache.close()
+        if isinstance(e, CacheError) or not isinstance(e, Exception):
+            raise
+        # safetensors: truncated or malformed file
         raise CacheError(f"load: {path!r} is not a readable tiercache save (truncated or corrupted?): {e}") from e
-    cache.token_ids = header.get("token_ids")
+    built[0].token_ids = header.get("token_ids")
+    if cross_cls is None:
+        return built[0]
+    flags = header[CROSS].get("is_updated") or []
+    return built[0], built[1], {i: bool(x) for i, x in enumerate(flags)}
+
+
+def _load_half(cls, f, entry: dict, prefix: str, sums: dict, model, model_type, path: str, device):
+    for key in ("policy", "layers", "seen"):
+        if key not in entry:
+            raise CacheError(f"load: {path!r}: the header lacks {prefix}{key!r} (corrupted save)")
+    try:
+        policy = Policy.from_dict(entry["policy"])
+    except PolicyError as e:
+        raise CacheError(f"load: {path!r}: the saved {prefix}policy is invalid: {e}") from e
+    try:
+        cache = cls._build(policy, model, model_type)
+    except PolicyError as e:  # e.g. a cross-attention half for a decoder-only model
+        raise CacheError(f"load: {path!r}: {e}") from e
+    try:
+        _load_layers(cache, f, entry, sums, prefix, path, device)
+    except BaseException:
+        cache.close()
+        raise
     return cache
 
 
@@ -117,10 +160,23 @@ def _header(metadata, path: str) -> dict:
     if header.get("format_version") != VERSION:
         raise CacheError(f"load: {path!r} has format_version {header.get('format_version')!r}; this tiercache "
                          f"reads version {VERSION} (saved by tiercache {header.get('tiercache_version')!r})")
-    for key in ("policy", "model", "layers", "sha256", "seen"):
+    for key in ("model", "sha256"):
         if key not in header:
             raise CacheError(f"load: {path!r}: the header lacks {key!r} (corrupted save)")
     return header
+
+
+def _check_kind(header: dict, encoder_decoder: bool, path: str) -> None:
+    kind = header.get("kind", DECODER_ONLY)  # saves before encoder-decoder support were all decoder-only
+    want = ENCODER_DECODER if encoder_decoder else DECODER_ONLY
+    if kind not in (DECODER_ONLY, ENCODER_DECODER) or (kind == ENCODER_DECODER and CROSS not in header):
+        raise CacheError(f"load: {path!r}: unknown save kind {kind!r} (corrupted save?); allowed: "
+                         f"{DECODER_ONLY!r}, {ENCODER_DECODER!r}")
+    if kind != want:
+        how = "tiercache.TieredEncoderDecoderCache.load" if kind == ENCODER_DECODER else "TieredCache.load"
+        article = {DECODER_ONLY: "a", ENCODER_DECODER: "an"}
+        raise CacheError(f"load: {path!r} holds {article[kind]} {kind} cache, not {article[want]} {want} one; "
+                         f"load it with {how}")
 
 
 def _check_model(saved: dict, given: dict, path: str) -> None:
@@ -149,15 +205,15 @@ def _relocate(sd: dict, device: str | None, path: str) -> dict:
     return sd
 
 
-def _load_layers(cache, f, header: dict, path: str, device: str | None) -> None:
-    layers, sums = header["layers"], header["sha256"]
+def _load_layers(cache, f, header: dict, sums: dict, prefix: str, path: str, device: str | None) -> None:
+    layers = header["layers"]
     if not isinstance(layers, list) or len(layers) != len(cache.layers):
         raise CacheError(f"load: {path!r}: header has {len(layers) if isinstance(layers, list) else layers!r} "
-                         f"layers, the model {len(cache.layers)} (corrupted save)")
+                         f"{prefix}layers, the model {len(cache.layers)} (corrupted save)")
     for i, (layer, entry) in enumerate(zip(cache.layers, layers)):
         sd = _relocate(dict(entry["state"]), device, path)
         for key in entry["tensors"]:
-            name = f"layers.{i}.{key}"
+            name = f"{prefix}layers.{i}.{key}"
             t = f.get_tensor(name)
             if _sha256(t) != sums.get(name):
                 raise CacheError(f"load: {path!r}: tensor {name} fails its sha256 check (corrupted save)")
@@ -165,9 +221,9 @@ def _load_layers(cache, f, header: dict, path: str, device: str | None) -> None:
         try:
             layer.load_state_dict(sd)
         except CacheError as e:
-            raise CacheError(f"load: {path!r}: layer {i}: {e}") from e
+            raise CacheError(f"load: {path!r}: {prefix}layer {i}: {e}") from e
     if cache.get_seq_length() != header["seen"]:
-        raise CacheError(f"load: {path!r}: layers hold {cache.get_seq_length()} tokens, the header says "
+        raise CacheError(f"load: {path!r}: {prefix}layers hold {cache.get_seq_length()} tokens, the header says "
                          f"{header['seen']} (corrupted save)")
 
 
@@ -180,7 +236,8 @@ def _token_ids(token_ids):
     try:
         out = json.loads(json.dumps(list(token_ids)))
     except (TypeError, ValueError) as e:
-        raise CacheError(f"save: token_ids must be a list (or nested lists / a tensor) of ints, got {token_ids!r}") from e
+        raise CacheError(f"save: token_ids must be a list (or nested lists / a tensor) of ints, "
+                         f"got {token_ids!r}") from e
     flat = out if not out or not isinstance(out[0], list) else [x for row in out for x in row]
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in flat):
         raise CacheError(f"save: token_ids must be ints, got {token_ids!r}")

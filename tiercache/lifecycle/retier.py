@@ -16,11 +16,17 @@ How a layer moves
   tokens that were quantized stay as attention saw them, they are not restored.
 - The recording flag (assisted decoding) is carried over.
 
+``retier_all(caches, policy)`` moves several caches as one (the halves of an encoder-decoder
+cache, ``TieredEncoderDecoderCache.retier``). Each cache says which layer policies it is made of
+(``cache.layer_policies(policy, model)``: ``policy.resolve`` for a TieredCache, the policy's
+``cross_attention`` section for a cross-attention half), so cross-attention layers stay such.
+
 Refused before any layer moves (``CacheError``, the cache unchanged): a policy that does not
 fit the model (overrides out of range ...), a static ``max_length`` below the tokens a layer
 holds, an ``auto`` policy with no rung that fits. A failure while moving (a full disk) moves the
-layers already moved back to their old chains (bit-exact for lossless moves; a layer that was
-quantized on the way keeps the dequantized values) and raises ``CacheError``.
+layers already moved (of every cache of ``retier_all``) back to their old chains (bit-exact for
+lossless moves; a layer that was quantized on the way keeps the dequantized values) and raises
+``CacheError``.
 """
 
 from __future__ import annotations
@@ -31,22 +37,58 @@ from tiercache.policy import load_policy
 
 
 def retier(cache, policy) -> None:
+    retier_all([cache], policy)
+
+
+def retiered(cache, policy):
+    """``cache`` moved to ``policy`` (None: left as it is), closed when that fails (``load(policy=)``)."""
+    if policy is not None:
+        try:
+            cache.retier(policy)
+        except Exception:
+            cache.close()
+            raise
+    return cache
+
+
+def retier_all(caches: list, policy) -> None:
+    """Move every cache of ``caches`` (the two halves of an encoder-decoder cache) to ``policy``, all
+    or nothing: every cache is checked before any layer moves, and a failure while moving one puts
+    back the layers of it and of the caches already moved. Each cache builds its targets with its
+    own ``layer_policies(policy, model)`` (a cross-attention half: the policy's ``cross_attention``)."""
     try:
         policy = load_policy(policy)
-        if policy.auto:
+        if policy.auto:  # one rung for all (the first cache: the self-attention half)
             from tiercache.planner import choose
 
-            batch = max(cache.batch_size, 1)
-            policy = choose(policy, cache.model, batch, max(cache.get_seq_length(), 1))
-        targets = policy.resolve(cache.model)
+            first = caches[0]
+            policy = choose(policy, first.model, max(first.batch_size, 1), max(first.get_seq_length(), 1))
+        plans = [cache.layer_policies(policy, cache.model) for cache in caches]
     except PolicyError as e:
         raise CacheError(f"retier: {e}") from e
+    for cache, targets in zip(caches, plans):
+        _check(cache, targets)
+    undo = []
+    try:
+        for cache, targets in zip(caches, plans):
+            undo.append(_apply(cache, policy, targets))
+    except BaseException:
+        for back in reversed(undo):
+            back()
+        raise
+
+
+def _check(cache, targets) -> None:
     for i, (layer, lp) in enumerate(zip(cache.layers, targets)):
         seen = layer.seq_length()
         if lp.storage == "static" and lp.max_length is not None and lp.max_length < seen:
             raise CacheError(f"retier: layer {i} holds {seen} tokens; the new policy's static max_length is "
                              f"{lp.max_length}; raise max_length or use storage: full (nothing moved)")
-    before = [layer.policy for layer in cache.layers]
+
+
+def _apply(cache, policy, targets):
+    """Move ``cache``'s layers to chains of ``targets``; returns what moves them back (after success)."""
+    before, old_policy = [layer.policy for layer in cache.layers], cache.policy
     new_layers, shared = build_layers(targets)
     old_shared, moved = cache._shared, []
     for layer in cache.layers:  # device mirrors and the old workspace are not read while moving
@@ -65,8 +107,16 @@ def retier(cache, policy) -> None:
         for new in new_layers[len(moved):]:
             new.close()
         raise
-    cache._shared = shared
-    cache.policy = policy
+    cache._shared, cache.policy = shared, policy
+
+    def undo() -> None:  # another cache of the same retier failed: this one goes back too
+        for layer in cache.layers:
+            layer.evict()
+        _roll_back(cache, moved, before, old_shared)
+        shared.close()
+        cache._shared, cache.policy = old_shared, old_policy
+
+    return undo
 
 
 def _move(old, new, where: str) -> None:
