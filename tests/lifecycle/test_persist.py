@@ -221,3 +221,14 @@ def test_a_save_from_another_device_is_loaded_where_asked(saved):
     assert torch.equal(_next(model, loaded, nxt), _next(model, cache, nxt))
     with pytest.raises(CacheError, match="device must be"):
         TieredCache.load(path, model.config, device="nowhere")
+
+
+def test_loading_onto_a_missing_device_names_the_device_asked(saved):
+    # the message used to say the save was made on cuda (it was made on the CPU) when the caller
+    # asked for device="cuda" on a machine without CUDA
+    model, _, path = saved
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with pytest.raises(CacheError, match="device='cuda' was asked and CUDA is not available here") as e:
+        TieredCache.load(path, model.config, device="cuda")
+    assert "saved on" not in str(e.value)

@@ -144,7 +144,8 @@ def _relocate(sd: dict, device: str | None, path: str) -> dict:
         else:
             continue
         if torch.device(where).type == "cuda" and not torch.cuda.is_available():
-            raise CacheError(f"load: {path!r} was saved on {where} and CUDA is not available here; "
+            how = f"device={device!r} was asked" if device else f"{path!r} was saved on {where}"
+            raise CacheError(f"load: {how} and CUDA is not available here; "
                              "pass device='cpu' (or another device) to load it there")
     return sd
 
