@@ -200,3 +200,24 @@ def test_the_builtin_tiny_model_plans_offline():
     assert (spec.num_layers, spec.kv_shape(0)) == (4, (2, 64, 64))
     assert resolve_model("tiny-random").kv_shape(0) == spec.kv_shape(0) and spec.name == "tiny"
     assert ModelSpec.from_config(CONFIG).kv_shape(1) == (2, 16, 16)
+
+
+@pytest.mark.parametrize("quantize", [None, {"bits": 4, "group_size": 2, "residual_length": 2}], ids=["fp", "int4"])
+def test_a_static_overflow_is_refused_before_the_first_layer_writes(quantize):
+    # Gemma 2: layer 0 slides (never full), layer 1 is static. The forward used to write the new
+    # tokens into layer 0 before layer 1 refused them: after the error get_seq_length() said 18
+    # while the static layer held 15, so the next forward ran at the wrong positions.
+    import models
+
+    model = models.build("gemma2")
+    cache = TieredCache.from_policy({"storage": "static", "max_length": 16, "quantize": quantize}, model.config)
+    with torch.no_grad():
+        model(models.prompt(1, 15), past_key_values=cache)
+        with pytest.raises(CacheError, match="layer 1: static storage is full: it holds 15 of max_length=16"):
+            model(models.prompt(1, 3, seed=6), past_key_values=cache)
+    assert [cache.get_seq_length(i) for i in range(4)] == [15] * 4
+    ref = TieredCache.from_policy({"storage": "static", "max_length": 16, "quantize": quantize}, model.config)
+    nxt = models.prompt(1, 1, seed=7)
+    with torch.no_grad():
+        model(models.prompt(1, 15), past_key_values=ref)
+        assert torch.equal(model(nxt, past_key_values=cache).logits, model(nxt, past_key_values=ref).logits)

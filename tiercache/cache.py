@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from tiercache.chain import build_layers
 from tiercache.cross_attention import check_supported, cross_layer_policies
 from tiercache.errors import CacheError, PolicyError
-from tiercache.layers.base import KVLayer
+from tiercache.layers.base import KVLayer, check_room
 from tiercache.model_spec import ModelSpec, model_type_of, spec_of
 from tiercache.placeholders import Placeholders
 from tiercache.policy import Policy, load_policy
@@ -117,6 +117,8 @@ class TieredCache(Cache):
         for name, t in (("key_states", key_states), ("value_states", value_states)):
             if isinstance(t, torch.Tensor) and not t.is_floating_point():
                 raise CacheError(f"layer {layer_idx}: {name} must be floating point, got {t.dtype}")
+        if layer_idx == self._reuse.first and isinstance(key_states, torch.Tensor) and key_states.dim() == 4:
+            check_room({i: self.layers[i] for i in self._reuse.stores(len(self.layers))}, key_states.shape[2])
         try:
             return layer.update(key_states, value_states)
         except CacheError as e:

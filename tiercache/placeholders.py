@@ -3,6 +3,7 @@
     Placeholders(model_spec)      the layers with ``model.kv_sharing(i) == "reuse"``
     i in p                        layer ``i`` is a placeholder
     p.stores(n) -> list[int]      the layers that store, in order
+    p.first                       the first layer that stores (a forward's first write), or None
     p.check_update(i, name)       ``CacheError``: the model never writes a placeholder
     p.answering(i, n, what)       the layer that answers ``get_seq_length`` / ``get_mask_sizes``
                                   for ``i``: ``i`` itself, the first storing layer for a
@@ -23,6 +24,7 @@ from tiercache.errors import CacheError
 class Placeholders:
     def __init__(self, model):
         self.indices = frozenset(i for i in range(model.num_layers) if model.kv_sharing(i) == "reuse")
+        self.first = next((i for i in range(model.num_layers) if i not in self.indices), None)  # first to store
         self.name = model.name
 
     def __contains__(self, i: int) -> bool:

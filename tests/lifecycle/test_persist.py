@@ -88,9 +88,10 @@ def test_load_with_a_policy_retiers_on_the_way_in(tmp_path):
 @pytest.fixture
 def saved(tmp_path):
     model = models.build("llama")
-    cache = _filled(model, policy("int4"), models.prompt(1, 29))
+    ids = models.prompt(1, 29)
+    cache = _filled(model, policy("int4"), ids)
     path = tmp_path / "c.safetensors"
-    cache.save(path, token_ids=[5, 6, 7])
+    cache.save(path, token_ids=ids[0])
     return model, cache, path
 
 
@@ -154,6 +155,23 @@ def test_missing_paths_and_foreign_files_are_clear_errors(saved, tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
 
 
+def test_token_ids_must_cover_every_token_the_cache_holds(saved, tmp_path):
+    # fewer ids than tokens would let a caller's "my prompt extends the saved ids" check pass
+    # for tokens the cache does not hold: a silently wrong continuation after load
+    model, cache, _ = saved
+    ids = models.prompt(1, 29)[0].tolist()
+    with pytest.raises(CacheError, match="token_ids has 5 ids, the cache holds 29 tokens"):
+        cache.save(tmp_path / "x.safetensors", token_ids=ids[:5])
+    with pytest.raises(CacheError, match="2 row.*batch of 1"):
+        cache.save(tmp_path / "x.safetensors", token_ids=[ids, ids])
+    assert not (tmp_path / "x.safetensors").exists()
+    cache.save(tmp_path / "g.safetensors", token_ids=ids + [9])  # a generate output: one past the cache
+    assert TieredCache.load(tmp_path / "g.safetensors", model.config).token_ids == ids + [9]
+    wide = _filled(model, policy("fp"), models.prompt(2, 7))
+    wide.save(tmp_path / "w.safetensors", token_ids=models.prompt(2, 7))
+    assert TieredCache.load(tmp_path / "w.safetensors", model.config).token_ids == models.prompt(2, 7).tolist()
+
+
 def test_a_failed_save_leaves_the_previous_save_whole(saved, monkeypatch):
     model, cache, path = saved
     before = path.read_bytes()
@@ -175,7 +193,7 @@ def test_a_failed_save_leaves_the_previous_save_whole(saved, monkeypatch):
     assert len(wrote[0]) == 2  # it died while a temporary file was half written
     assert path.read_bytes() == before
     assert sorted(os.listdir(path.parent)) == ["c.safetensors"]  # no temporary left behind
-    assert TieredCache.load(path, model.config).token_ids == [5, 6, 7]
+    assert TieredCache.load(path, model.config).token_ids == models.prompt(1, 29)[0].tolist()
 
 
 def test_load_never_unpickles(saved, monkeypatch):
@@ -203,3 +221,14 @@ def test_a_save_from_another_device_is_loaded_where_asked(saved):
     assert torch.equal(_next(model, loaded, nxt), _next(model, cache, nxt))
     with pytest.raises(CacheError, match="device must be"):
         TieredCache.load(path, model.config, device="nowhere")
+
+
+def test_loading_onto_a_missing_device_names_the_device_asked(saved):
+    # the message used to say the save was made on cuda (it was made on the CPU) when the caller
+    # asked for device="cuda" on a machine without CUDA
+    model, _, path = saved
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with pytest.raises(CacheError, match="device='cuda' was asked and CUDA is not available here") as e:
+        TieredCache.load(path, model.config, device="cuda")
+    assert "saved on" not in str(e.value)

@@ -164,3 +164,23 @@ def test_peak_extra_memory_is_about_one_layer_at_full_precision(a, b):
     extra = meter.peak - max(meter.net, 0)  # above what the cache holds before or after
     assert extra <= 1.5 * layer_fp, f"peak extra {extra / layer_fp:.2f} layers at full precision"
     assert meter.peak < 3 * layer_fp or meter.net > 0  # never a second whole cache (6 layers)
+
+
+@pytest.mark.parametrize("b", ["fp", "host", "disk"])
+def test_a_recording_sliding_layer_keeps_its_rollback_tokens_through_a_lossless_retier(b, tmp_path):
+    # Mistral (every layer slides, window 8) while recording (assisted decoding): the move used to
+    # ingest before setting the recording flag, so the sliding layer kept only window - 1 tokens
+    # and a crop that worked before the retier was refused after it.
+    model = models.build("mistral")
+    ids = models.prompt(1, 14)
+    cache, ref = (TieredCache.from_policy(policy("fp"), model.config) for _ in range(2))
+    for c in (cache, ref):
+        c.activate_past_recording()
+        _next(model, c, ids)
+    held = [layer.keys for layer in cache.layers]
+    cache.retier(policy(b, tmp_path))
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(cache.layers, held))  # [B, H, 14, D]: all recorded
+    for c in (cache, ref):
+        c.crop(-10)  # back before the window: only the recorded tokens make this possible
+    nxt = models.prompt(1, 2, seed=5)
+    assert torch.equal(_next(model, cache, nxt), _next(model, ref, nxt))

@@ -78,6 +78,10 @@ Optional hooks (no-op defaults here)
 Class attributes: ``is_sliding``, ``is_compileable``, ``max_length()`` (-1 when unbounded);
 ``is_initialized`` (property: updated since built or reset).
 
+Checks shared by layers and the cache: ``check_crop``, ``check_room`` (a forward's first write
+refuses tokens a static layer has no room for, before any layer takes them), ``check_batch_indices``,
+``check_repeats``.
+
 ``record_past`` is transformers' layer attribute for that mode: reading it says whether the layer
 records (``recording``, False unless a layer defines it), and assigning it calls
 ``set_recording`` (transformers' generate sets ``layer.record_past = False`` on each layer when
@@ -222,6 +226,18 @@ def check_crop(n: int, seq_length: int) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise CacheError(f"crop(n) needs an int n >= 0 (tokens to remove), got {n!r}")
     return min(n, seq_length)
+
+
+def check_room(layers: dict, t: int) -> None:
+    """Refuse ``t`` new tokens before any layer takes them if a bounded layer (static, not sliding)
+    has no room: ``layers`` maps index -> layer. A forward writes its layers one by one, so
+    without this a sliding layer before a full static one would count tokens the static one then
+    refuses, and the layers would disagree on the tokens seen."""
+    for i, layer in layers.items():
+        limit = layer.max_length()
+        if not layer.is_sliding and limit > 0 and layer.seq_length() + t > limit:
+            raise CacheError(f"layer {i}: static storage is full: it holds {layer.seq_length()} of max_length={limit} "
+                             f"tokens and cannot take {t} more; raise max_length in the policy or use storage: full")
 
 
 def check_batch_indices(indices: torch.Tensor, batch: int, what: str) -> torch.Tensor:

@@ -60,7 +60,7 @@ def save(cache, path, token_ids=None, cross=None, is_updated=None) -> None:
     path = os.fspath(path)
     if os.path.isdir(path):
         raise CacheError(f"save: {path!r} is a directory; give a file path (e.g. cache.safetensors)")
-    ids = _token_ids(token_ids)
+    ids = _token_ids(token_ids, cache.get_seq_length(), cache.batch_size)
     tensors: dict = {}
     from tiercache import __version__
 
@@ -200,7 +200,8 @@ def _relocate(sd: dict, device: str | None, path: str) -> dict:
         else:
             continue
         if torch.device(where).type == "cuda" and not torch.cuda.is_available():
-            raise CacheError(f"load: {path!r} was saved on {where} and CUDA is not available here; "
+            how = f"device={device!r} was asked" if device else f"{path!r} was saved on {where}"
+            raise CacheError(f"load: {how} and CUDA is not available here; "
                              "pass device='cpu' (or another device) to load it there")
     return sd
 
@@ -228,7 +229,11 @@ def _load_layers(cache, f, header: dict, sums: dict, prefix: str, path: str, dev
 
 
 # -- writing ---------------------------------------------------------------------------------------
-def _token_ids(token_ids):
+def _token_ids(token_ids, seen: int, batch: int):
+    """The ids as JSON lists, checked against the cache: they must cover every token it holds (a
+    ``generate`` output, one token past the cache, is fine; fewer ids would let a caller's "does my
+    prompt extend the saved one?" check pass for tokens the cache does not hold), one row per batch
+    row when nested (a flat list stands for a batch of one)."""
     if token_ids is None:
         return None
     if isinstance(token_ids, torch.Tensor):
@@ -236,11 +241,16 @@ def _token_ids(token_ids):
     try:
         out = json.loads(json.dumps(list(token_ids)))
     except (TypeError, ValueError) as e:
-        raise CacheError(f"save: token_ids must be a list (or nested lists / a tensor) of ints, "
-                         f"got {token_ids!r}") from e
-    flat = out if not out or not isinstance(out[0], list) else [x for row in out for x in row]
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in flat):
+        raise CacheError(f"save: token_ids must be a list (or nested lists / a tensor) of ints, got {token_ids!r}") from e
+    rows = out if out and isinstance(out[0], list) else [out]
+    if not all(isinstance(row, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in row) for row in rows):
         raise CacheError(f"save: token_ids must be ints, got {token_ids!r}")
+    if batch > 0 and len(rows) != batch:
+        raise CacheError(f"save: token_ids has {len(rows)} row(s), the cache holds a batch of {batch}; give one "
+                         "list of ids per batch row (a flat list for a batch of one)")
+    if min(len(row) for row in rows) < seen:
+        raise CacheError(f"save: token_ids has {min(len(row) for row in rows)} ids, the cache holds {seen} tokens; "
+                         f"give the ids of all {seen} (or a generate output, which ends one token past the cache)")
     return out
 
 

@@ -14,7 +14,8 @@ How a layer moves
   same tokens holds (KIVI residual rule), so the next logits are identical to such a cache's;
   out of quantization (or between two block formats) the values are the dequantized ones:
   tokens that were quantized stay as attention saw them, they are not restored.
-- The recording flag (assisted decoding) is carried over.
+- The recording flag (assisted decoding) is carried over, set before the state moves, so a
+  recording sliding layer keeps the tokens it recorded (a later crop can still roll back).
 
 ``retier_all(caches, policy)`` moves several caches as one (the halves of an encoder-decoder
 cache, ``TieredEncoderDecoderCache.retier``). Each cache says which layer policies it is made of
@@ -122,14 +123,14 @@ def _apply(cache, policy, targets):
 def _move(old, new, where: str) -> None:
     """Move ``old``'s state into the empty chain ``new`` (a function: its temporaries die here)."""
     try:
+        if old.record_past:  # first: a recording sliding layer ingests all it is given, not window - 1
+            new.set_recording(True)
         if new.can_adopt(old):  # the same block format: packed blocks move as they are
             new.adopt(old)
         else:
             held = old.export()
             if held is not None:
                 new.ingest(*held)
-        if old.record_past:
-            new.set_recording(True)
     except CacheError as e:
         new.close()
         raise CacheError(f"{where}: {e}") from e
