@@ -1,7 +1,7 @@
 """The ``tiercache`` command: validate, plan, generate, bench.
 
     tiercache validate POLICY [--model M]           OK, or the PolicyError; exit 0 / 1
-    tiercache plan POLICY --model M --context N --batch B
+    tiercache plan POLICY --model M --context N --batch B [--weights int4] [--device cpu] [--prefill-chunk N]
     tiercache generate --model M --policy POLICY --prompt TEXT [--max-new-tokens N]
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
 
@@ -20,6 +20,7 @@ import sys
 import time
 
 from tiercache.errors import CacheError, PolicyError
+from tiercache.weights import FORMATS
 
 
 def positive_int(text: str) -> int:
@@ -66,7 +67,8 @@ def _validate(args) -> int:
 def _plan(args) -> int:
     from tiercache.planner import main_plan
 
-    return main_plan(args.policy, args.model, args.context, args.batch)
+    return main_plan(args.policy, args.model, args.context, args.batch, weights=args.weights, device=args.device,
+                     prefill_chunk=args.prefill_chunk)
 
 
 def _generate(args) -> int:
@@ -124,6 +126,10 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", required=True, help="tiny, tiny-random, a preset (Llama-3-8B ...), a path or hub id")
     pl.add_argument("--context", type=positive_int, required=True)
     pl.add_argument("--batch", type=positive_int, default=1)
+    pl.add_argument("--weights", choices=FORMATS, default=None, help="weights format (default: the model's dtype)")
+    pl.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="compute device (default cuda)")
+    pl.add_argument("--prefill-chunk", type=positive_int, default=None,
+                    help="tokens per prefill chunk (default: the largest that fits a scope: total budget, else 2048)")
     g = sub.add_parser("generate", help="generate text with a policy")
     g.add_argument("--model", default="tiny", help="tiny (default), tiny-random, a local model directory or a hub id")
     g.add_argument("--policy", default=None, help="policy YAML (default: full precision)")
