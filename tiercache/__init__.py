@@ -1,6 +1,7 @@
 """tiercache: a memory-tiered KV cache for LLM generation.
 
-Public API: ``load_policy``, ``Policy``, ``TieredCache``, ``plan``, ``PolicyError``, ``CacheError``.
+Public API: ``load_policy``, ``Policy``, ``TieredCache``, ``plan``, ``generate`` (chunked prefill,
+then ``model.generate``), ``PolicyError``, ``CacheError``.
 ``TieredCache`` and ``plan`` are imported lazily so that the torch-only parts load without
 transformers.
 """
@@ -8,7 +9,7 @@ transformers.
 from tiercache.errors import CacheError, PolicyError
 from tiercache.policy import Policy, load_policy
 
-__all__ = ["CacheError", "Policy", "PolicyError", "TieredCache", "load_policy", "plan"]
+__all__ = ["CacheError", "Policy", "PolicyError", "TieredCache", "generate", "load_policy", "plan"]
 
 
 def __getattr__(name):
@@ -20,4 +21,8 @@ def __getattr__(name):
         from tiercache import planner
 
         return getattr(planner, name)
+    if name == "generate":
+        from tiercache.prefill import generate
+
+        return generate
     raise AttributeError(f"module 'tiercache' has no attribute {name!r}")

@@ -17,7 +17,8 @@ C chunk tokens, S = context tokens attended, H hidden, I MLP width, h/kv query/K
   then *either* the GQA expansion of the whole K/V when a mask is passed (transformers'
   ``repeat_kv``: SDPA takes ``enable_gqa`` only without a mask, and a chunk after the first always
   has one): ``2 B h S D d`` *or* nothing (``kv == h``), plus the kernel's workspace: ``flash``
-  (CPU flash kernel, CUDA flash / memory-efficient) keeps only per-row statistics ``B h C 4``;
+  (CPU flash kernel, CUDA flash / memory-efficient) keeps only per-row statistics ``B h C 4``,
+  but SDPA first turns the boolean mask into an additive one in ``d`` (``B C S d``, for the call);
   ``math`` / ``eager`` materialise the scores ``B h C S`` in ``d`` and once more in fp32 for the
   softmax; plus the attention output and its transposed copy ``2 B C h D d``;
 - MLP: gate activation, up projection and their product ``3 B C I d`` (``2`` when not gated),
@@ -53,8 +54,8 @@ def prefill_peak(arch, batch: int, chunk: int, context: int, kernel: str = "flas
     repeat = 2 * b * h * s * hd * d if (kv < h and c > 1) else 0
     if kernel == "math":
         work = b * h * c * s * (d + 4)
-    else:
-        work = b * h * c * 4
+    else:  # SDPA turns a boolean mask into an additive one in the query's dtype for the call
+        work = b * h * c * 4 + (b * c * s * d if c > 1 else 0)
     out = 2 * b * c * h * hd * d
     attention = qkv + max(rope, repeat + work + out)
     mlp = (3 if arch.gated else 2) * b * c * arch.intermediate * d * max(1, arch.active_experts)

@@ -119,7 +119,7 @@ def plan(policy, model, batch_size: int = 1, context_length: int = 4096, *, weig
     run = RunSpec.of(model, weights, device, prefill_chunk, runtime)
     spec = model if isinstance(model, ModelSpec) else (
         resolve_model(model) if isinstance(model, (str, Path)) else ModelSpec.from_config(
-            getattr(model, "config", model) if run.exact_weights is not None else model))
+            model.config if hasattr(model, "parameters") and hasattr(model, "config") else model))
     check_sizes(batch_size, context_length)
     if policy.auto:
         from tiercache.ladder import walk

@@ -113,6 +113,7 @@ def _growth(plan) -> dict[str, int]:
     for row in plan.layers:
         for tier in ("device", "host"):
             out[tier] = max(out[tier], row.bytes.get(tier, 0))
+        out["device"] = max(out["device"], row.mirror)  # an offload mirror regrows in its slot
     return out
 
 
