@@ -30,8 +30,20 @@ prefetcher, which reports them once for the whole cache (``Prefetcher.nbytes()``
 
 Without CUDA the compute device and the host are both the CPU: every copy still happens through
 the same code (fetch, append, write-back), with no stream or event, and results are
-bit-identical to a resident layer. With CUDA the write-back of the new tokens waits for them to
-reach the host (one event per update), so an error from the host tier surfaces in ``update``.
+bit-identical to a resident layer.
+
+Write-back on CUDA (``deferred``: full storage in pinned host memory, the ``cpu`` tier): the new
+tokens are copied into a pinned staging pair on the prefetcher's side stream (after it waits for
+the compute stream; ``record_stream`` keeps their device memory alive), with an event; the
+update returns at once, no host sync. The staged tokens join the host layer when the event has
+landed, at the layer's next use at the latest (``update``, ``kv``, a fetch of its mirror, any
+host-side operation, ``nbytes``): ``_settle`` reads the event with ``query()`` and only blocks
+(counted in ``Prefetcher.host_waits``) when the copy is still in flight. A fetch after that reads
+the whole host copy on the same side stream, so it is ordered after the write-back.
+``seq_length`` and ``mask_sizes`` count the staged tokens. An error from the host tier (a CUDA
+error of the copy, the host buffer that cannot grow) raises ``CacheError`` naming the layer when
+it surfaces. Disk, sliding and static host layers copy synchronously (one event wait per
+update): their update reads or moves host memory at once.
 """
 
 from __future__ import annotations
@@ -58,7 +70,8 @@ def offloaded(make_storage_on, config: OffloadPolicy, prefetcher: Prefetcher, in
         tier = DiskTier(config.path, label=f"layer{index}")
     else:
         tier = HostTier(config.pin_memory)
-    return Offload(make_storage_on(tier), prefetcher, index, depth=config.prefetch, owned_outputs=owned_outputs)
+    return Offload(make_storage_on(tier), prefetcher, index, depth=config.prefetch, owned_outputs=owned_outputs,
+                   deferred=config.device == "cpu")
 
 
 def row_stride(t: torch.Tensor) -> int | None:
@@ -79,7 +92,7 @@ def row_stride(t: torch.Tensor) -> int | None:
 
 class Offload(KVLayer):
     def __init__(self, inner: KVLayer, prefetcher: Prefetcher, index: int = 0, depth: int = 1,
-                 owned_outputs: bool = False):
+                 owned_outputs: bool = False, deferred: bool = False):
         if depth < 0:
             raise CacheError(f"offload prefetch depth must be >= 0, got {depth}")
         self.inner = inner
@@ -95,7 +108,10 @@ class Offload(KVLayer):
         self.k: torch.Tensor | None = None  # [B, H, C, Dk] mirror in the slot
         self.v: torch.Tensor | None = None  # [B, H, C, Dv]
         self.lo = 0  # first held token in the mirror
-        self.held = 0  # tokens held (== what inner.kv() holds)
+        self.held = 0  # tokens held (== what inner.kv() holds once the staged write-backs have joined it)
+        # CUDA write-backs not yet in the host layer: (keys, values, event), oldest first (full storage only)
+        self.deferred = deferred and not inner.is_sliding and inner.max_length() <= 0
+        self.staged: list[tuple[torch.Tensor, torch.Tensor, object]] = []
         self.key = prefetcher.register(self, index)
 
     # -- the protocol -----------------------------------------------------------------------
@@ -104,35 +120,45 @@ class Offload(KVLayer):
         if self.device is not None and key.device != self.device:
             raise CacheError(f"device: the layer computes on {self.device}, the update is on {key.device}")
         t = key.shape[2]
-        host_k, host_v = self._to_host(key, value)  # [B, H, T, D] on the CPU: the new tokens only
+        self._settle()  # earlier write-backs join the host layer first (they may regrow it)
+        defer = self.deferred and key.is_cuda
+        host_k, host_v = self._staging(key, value) if defer else self._to_host(key, value)  # [B, H, T, D] on the CPU
         self.inner.validate_update(host_k, host_v)  # shape, dtype, batch, room: before the mirror changes
         self.device = key.device
         self.prefetcher.acquire(self, room=t)  # may raise CacheError (device memory): nothing changed
         if self.k is None or self.lo + self.held + t > self.k.shape[2]:
             self._make_room(key, value)  # likewise, before the host copy changes
-        out = self.inner.update(host_k, host_v)  # may still raise (disk full): the mirror holds the same tokens
+        if defer:  # full storage: it will show every held token
+            self._write_back(key, value, host_k, host_v)
+            shown = self.held + t
+        else:
+            out = self.inner.update(host_k, host_v)  # may still raise (disk full): the mirror holds the same tokens
+            shown = out[0].shape[2]
         self.prefetcher.count_d2h(_bytes(key) + _bytes(value))
         self._append(key, value)
-        n, shown = self.held, out[0].shape[2]
+        n = self.held
         a = self.lo + n - shown if shown <= n else self.lo  # the inner's answer, on the device
         result = self.k[:, :, a : a + shown], self.v[:, :, a : a + shown]
-        kept = self.inner.kv()
-        kept = 0 if kept is None else kept[0].shape[2]
-        self.lo, self.held = self.lo + n - kept, kept  # the inner keeps a suffix of held + new
+        if not defer:
+            kept = self.inner.kv()
+            kept = 0 if kept is None else kept[0].shape[2]
+            self.lo, self.held = self.lo + n - kept, kept  # the inner keeps a suffix of held + new
         if self.owned_outputs:
             return result[0].clone(), result[1].clone()
         return result
 
     def seq_length(self) -> int:
-        return self.inner.seq_length()
+        return self.inner.seq_length() + self._staged_tokens()
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.inner.mask_sizes(query_length)
+        kv_length, offset = self.inner.mask_sizes(query_length)
+        return kv_length + self._staged_tokens(), offset  # staged only on full storage: no window offset
 
     def max_length(self) -> int:
         return self.inner.max_length()
 
     def validate_crop(self, n: int) -> None:
+        self._settle()
         self.inner.validate_crop(n)
 
     def crop(self, n: int) -> None:
@@ -159,17 +185,20 @@ class Offload(KVLayer):
         self.device = None
 
     def close(self) -> None:
+        self.staged = []  # the layer is dropped: its pending write-backs are of no use
         self.prefetcher.unregister(self)
         self.inner.close()
         self.device = None
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self._settle()
         if self.inner.kv() is None:
             return None
         self.prefetcher.acquire(self)
         return self.k[:, :, self.lo : self.lo + self.held], self.v[:, :, self.lo : self.lo + self.held]
 
     def nbytes(self) -> dict[str, int]:
+        self._settle()
         return self.inner.nbytes()  # the device mirror is the prefetcher's (see module docstring)
 
     def prefetch(self) -> None:
@@ -179,6 +208,7 @@ class Offload(KVLayer):
     # -- prefetcher callbacks ---------------------------------------------------------------
     def plan_fetch(self, room: int):
         """Bytes the mirror needs to hold the host copy plus ``room`` tokens; the plan for fill."""
+        self._settle()
         held = self.inner.kv()
         if held is None:
             return 0, None
@@ -213,6 +243,7 @@ class Offload(KVLayer):
 
     # -- internals --------------------------------------------------------------------------
     def _on_host(self, method: str, *args) -> None:
+        self._settle()
         self.prefetcher.evict(self)  # waits for any fetch reading the host copy
         getattr(self.inner, method)(*args)
 
@@ -229,6 +260,46 @@ class Offload(KVLayer):
         done.record(torch.cuda.current_stream(key.device))
         done.synchronize()
         return out
+
+    def _staging(self, key: torch.Tensor, value: torch.Tensor):
+        """Pinned host tensors shaped like ``key`` / ``value``, for their write-back."""
+        return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (key, value)]
+
+    def _write_back(self, key, value, host_k, host_v) -> None:
+        """Enqueue the device -> host copy of the new tokens on the side stream; no host sync."""
+        stream = self.prefetcher.side_stream(key.device)
+        stream.wait_stream(torch.cuda.current_stream(key.device))  # the tokens are written on the compute stream
+        with torch.cuda.stream(stream):
+            host_k.copy_(key, non_blocking=True)
+            host_v.copy_(value, non_blocking=True)
+        for t in (key, value):
+            t.record_stream(stream)  # their memory is not reused before the copy has read it
+        done = torch.cuda.Event()
+        done.record(stream)
+        self.staged.append((host_k, host_v, done))
+
+    def _staged_tokens(self) -> int:
+        return sum(k.shape[2] for k, _, _ in self.staged)
+
+    def _settle(self) -> None:
+        """Append the landed write-backs to the host layer (blocking only on one still in flight)."""
+        while self.staged:
+            host_k, host_v, done = self.staged[0]
+            try:
+                if not done.query():
+                    self.prefetcher.host_waits += 1
+                    done.synchronize()
+            except RuntimeError as e:  # a CUDA error of the copy
+                self.staged = []
+                raise CacheError(f"offload: the write-back of layer {self.index}'s new tokens to the host failed "
+                                 f"({e}); reset the cache") from e
+            self.staged.pop(0)
+            try:
+                self.inner.update(host_k, host_v)
+            except CacheError as e:
+                self.staged = []
+                raise CacheError(f"offload: layer {self.index}'s host copy could not take its new tokens ({e}); "
+                                 "its device copy has them, the host copy does not: reset the cache") from None
 
     def _append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write the new tokens after the held ones in the mirror (device to device)."""

@@ -29,7 +29,8 @@ return tensors without history; the cache works the same inside or outside ``tor
 
 Update. Refuses non-finite keys/values (``CacheError``, the layer unchanged): one NaN would
 poison the scale of a whole group. The check reads the new tokens only (one max-abs per K and
-V, then one host sync on a GPU). Returns ``[B, H, S, D]``: the blocks stored before this
+V); on CUDA it is read without a host sync and surfaces at the layer's next use
+(``processors/finite.py``). Returns ``[B, H, S, D]``: the blocks stored before this
 update dequantized in one vectorized pass straight into the output, then the residual and the
 new tokens at full precision (no concatenation of the history). The output lives in the
 cache's shared workspace (no allocation per step): it is valid until the next update on the
@@ -70,6 +71,7 @@ from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, chec
 from tiercache.layers.spec import KVSpec
 from tiercache.processors import backends
 from tiercache.processors.blocks import BlockCodec
+from tiercache.processors.finite import FiniteGuard
 from tiercache.tiers import place_of
 
 
@@ -156,6 +158,7 @@ class Quantize(KVLayer):
         self.codecs: tuple[BlockCodec, BlockCodec] | None = None
         self.seen = 0  # tokens seen (positions), including any slid out of a window
         self.stored = False  # the store has had an update (knows batch, dtype, device)
+        self.finite = FiniteGuard()  # refuses non-finite updates (processors/finite.py)
 
     # -- the protocol ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -168,9 +171,7 @@ class Quantize(KVLayer):
                 f"static storage is full: it holds {self.seen} of max_length={self.limit} tokens and "
                 f"cannot take {t} more; raise max_length in the policy or use storage: full"
             )
-        if t and not math.isfinite(float(torch.maximum(  # max |x|: NaN and inf propagate; one sync
-                torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf)))):
-            raise CacheError(self._non_finite(key, value))
+        self.finite.check(key, value, self.seen, lambda: self._non_finite(key, value))  # no host sync on CUDA
         codecs = self.codecs or tuple(
             BlockCodec(self.backend, self.g, d, axis, spec.dtype)
             for d, axis in ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
@@ -250,6 +251,7 @@ class Quantize(KVLayer):
                 self.store.crop(0)  # a sliding store trims what it kept for a rollback
             self.residual.truncate(n)
             self.seen -= n
+            self.finite.crop_to(self.seen)
             return
         drop, keep, blocks, have = self._crop_blocks(n)
         restored = None
@@ -265,6 +267,7 @@ class Quantize(KVLayer):
             device = self.spec.device
             self.residual.replace(0, restored[0][:, :, :keep].to(device), restored[1][:, :, :keep].to(device))
         self.seen -= n
+        self.finite.crop_to(self.seen)
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         if self.spec is not None:
@@ -284,11 +287,13 @@ class Quantize(KVLayer):
     def reset(self) -> None:
         self.store.reset()
         self.residual.clear()
+        self.finite.reset()
         self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
 
     @torch.no_grad()
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Fresh tensors (never the workspace): callers may keep them."""
+        self.finite.surface()
         if self.spec is None or (not len(self.residual) and self._held_blocks() is None):
             return None
         return self._assemble(self._held_blocks(), None, None, workspace=False)

@@ -1,0 +1,76 @@
+"""``FiniteGuard``: a quantized layer refuses non-finite keys/values, without a host sync on CUDA.
+
+Interface (used by ``Quantize``)
+    guard.check(key, value, seen, describe)   before an update changes anything
+    guard.surface()                           raise for a flag that has landed (each use calls it)
+    guard.crop_to(seen), guard.reset()        follow the layer's crops and resets
+    guard.pending()                           flags not yet read (tests)
+
+One NaN would poison the scale of a whole quantization group, so the layer refuses them.
+- CPU (and any device without streams): ``max |x|`` over the new tokens is read at once (NaN and
+  inf propagate); a bad update raises ``CacheError`` (``describe()`` says where) and changes
+  nothing, as before.
+- CUDA: reading the flag would stall the host once per layer per token, so the flag is copied
+  to pinned host memory on the compute stream (non_blocking) with an event, and read when it
+  has landed (``event.query()``, never a wait): at the latest at the layer's next use
+  (``update`` / ``kv``). Then the layer raises ``CacheError`` naming the positions of the
+  earlier update and stays refused ("poisoned") until it is reset or cropped back to before
+  them: that update had already been stored, and only dropping it makes the layer right again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tiercache.errors import CacheError
+
+
+class FiniteGuard:
+    def __init__(self):
+        self.flags: list[tuple[int, int, torch.Tensor, object]] = []  # (position, tokens, pinned flag, event)
+        self.bad_at: int | None = None  # first position of a refused (already stored) update
+
+    def check(self, key: torch.Tensor, value: torch.Tensor, seen: int, describe) -> None:
+        self.surface()
+        if not key.shape[2]:
+            return
+        worst = torch.maximum(torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf))  # []
+        if key.device.type != "cuda":
+            if not math.isfinite(float(worst)):
+                raise CacheError(describe())
+            return
+        flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        flag.copy_(~torch.isfinite(worst), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(key.device))
+        self.flags.append((seen, key.shape[2], flag, done))
+
+    def surface(self) -> None:
+        if self.bad_at is None:
+            waiting = []
+            for at, t, flag, done in self.flags:
+                if not done.query():  # not landed yet: read at a later use
+                    waiting.append((at, t, flag, done))
+                elif bool(flag):
+                    self.bad_at, self.flags = at, []
+                    raise CacheError(
+                        f"non-finite values in the keys/values of an earlier update (positions {at}..{at + t - 1}); "
+                        "quantized caches refuse them because one NaN would corrupt a whole group; the layer "
+                        f"refuses further use until reset() or crop() back to {at} tokens")
+            self.flags = waiting
+        if self.bad_at is not None:
+            raise CacheError(f"this quantized layer holds non-finite values from position {self.bad_at}; "
+                             f"reset() it or crop() it back to {self.bad_at} tokens")
+
+    def crop_to(self, seen: int) -> None:
+        self.flags = [f for f in self.flags if f[0] < seen]
+        if self.bad_at is not None and seen <= self.bad_at:
+            self.bad_at = None
+
+    def reset(self) -> None:
+        self.flags, self.bad_at = [], None
+
+    def pending(self) -> int:
+        return len(self.flags)
