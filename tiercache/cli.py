@@ -85,7 +85,8 @@ def _generate(args) -> int:
         except (OSError, UnicodeDecodeError) as e:
             return _error("generate", f"--prompt-file {args.prompt_file!r} cannot be read as UTF-8 text: {e}")
     if not prompt:
-        return _error("generate", "the prompt is empty; give the text to continue (--prompt or --prompt-file)")
+        source = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file!r}"
+        return _error("generate", f"{source} is empty; give the text to continue (at least one character)")
     from tiercache.hostmem import release_freed_memory
 
     release_freed_memory()  # freed activations go back to the OS: the peak is what is held (hostmem.py)
@@ -119,7 +120,7 @@ def _generate(args) -> int:
     print("---")
     sizes = ", ".join(f"{place}: {n / 2**20:.2f} MiB" for place, n in sorted(cache.nbytes().items()))
     print(f"policy {cache.policy.name}: {ids.shape[1]} prompt tokens (prefill chunks of {planned.prefill_chunk}), "
-          f"{new} new tokens in {elapsed:.2f}s; cache {sizes or 'empty'} for {cache.get_seq_length()} tokens")
+          f"{new} new tokens in {elapsed:.2f}s ({new / elapsed:.1f} tokens/s, prefill included); cache {sizes or 'empty'} for {cache.get_seq_length()} tokens")
     print(f"memory: planned total {sum(planned.whole.total.values()) / 2**20:.1f} MiB, "
           f"peak RSS {_peak_rss() / 2**20:.1f} MiB")
     cache.close()
