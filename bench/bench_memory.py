@@ -16,6 +16,11 @@ What it does:
 4. plans the same run with ``tiercache.plan(policy, DIR, context=..., device=..., runtime=baseline)``
    (weights from the config's shapes) and prints planned vs measured, the ratio, and whether it is
    within 10%; writes ``memory.json`` and ``memory.png`` under ``--out`` (default ``out/``).
+
+``--device cuda``: the same model in bf16 on the GPU, each policy run in this process
+(``tiercache.generate`` with the plan's chunk), measured by ``torch.cuda.max_memory_allocated``
+against the plan's allocated total (every line but ``runtime``: the CUDA context is not a
+PyTorch allocation).
 """
 
 from __future__ import annotations
@@ -113,7 +118,10 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the plan's)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--out", default="out")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        return main_cuda(args)
 
     import tiercache
 
@@ -155,6 +163,47 @@ def main(argv=None) -> int:
     (out_dir / "memory.json").write_text(json.dumps(report, indent=2))
     plot(rows, out_dir / "memory.png", args.context)
     print(f"\nwrote {out_dir / 'memory.json'} and {out_dir / 'memory.png'}")
+    return 0
+
+
+def main_cuda(args) -> int:
+    """Planned (allocated) vs ``torch.cuda.max_memory_allocated`` per policy, in this process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import tiercache
+
+    if not torch.cuda.is_available():
+        print("bench_memory: error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
+        return 1
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        write_model(Path(tmp), args)
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).to("cuda").eval()
+    ids = torch.randint(3, 90, (1, args.context - args.new), device="cuda")  # [1, T]
+    print(f"device {torch.cuda.get_device_name()}; model as on the CPU run, bf16; context {args.context}")
+    for name in args.policies.split(","):
+        policy = ROOT / "configs" / f"{name}.yaml"
+        p = tiercache.plan(policy, model, 1, args.context, device="cuda", prefill_chunk=args.chunk)
+        cache = tiercache.TieredCache.from_policy(policy, model.config)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        tiercache.generate(model, ids, cache, prefill_chunk=p.prefill_chunk, max_new_tokens=args.new,
+                           min_new_tokens=args.new, do_sample=False)
+        torch.cuda.synchronize()
+        measured, planned = torch.cuda.max_memory_allocated(), p.whole.allocated("device")
+        rows.append({"policy": name, "planned": planned, "measured": measured, "ratio": measured / planned,
+                     "chunk": p.prefill_chunk, "lines": {f"{x.name} ({x.tier})": x.bytes for x in p.whole.lines}})
+        del cache
+    print("| policy | prefill chunk | planned (allocated) | max_memory_allocated | measured / planned | within 10% |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['policy']} | {r['chunk']} | {r['planned'] / 2**20:.1f} MiB | {r['measured'] / 2**20:.1f} MiB | "
+              f"{r['ratio']:.3f} | {'yes' if abs(r['ratio'] - 1) <= 0.10 else 'NO'} |")
+    (out_dir / "memory-cuda.json").write_text(json.dumps({"device": "cuda", "rows": rows}, indent=2))
+    plot(rows, out_dir / "memory-cuda.png", args.context)
     return 0
 
 

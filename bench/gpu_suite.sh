@@ -39,6 +39,8 @@ echo "== CUDA tests"
 TIERCACHE_TEST_CUDA=1 "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests | tee "$OUT/cuda-tests.txt"
 echo "== long-context table (32k, 128k)"
 "$PYTHON" bench/bench_longctx.py --device cuda --contexts 32768,131072 --out "$OUT" | tee "$OUT/longctx.md"
+echo "== planned vs max_memory_allocated (bench_memory.py --device cuda, 32k)"
+"$PYTHON" bench/bench_memory.py --device cuda --context 32768 --out "$OUT" | tee "$OUT/memory.md"
 echo "== offload benchmark on the GPU"
 "$PYTHON" bench/bench_offload.py --device cuda --layers 32 --kv-heads 8 --head-dim 128 --hidden 1024 \
   --context 32768 | tee "$OUT/offload.md"

@@ -62,8 +62,6 @@ residual may hold fewer than ``r(n)`` tokens; the flush rule above applies from 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from tiercache.errors import CacheError
@@ -318,6 +316,7 @@ class Quantize(KVLayer):
         """Release everything; the layer is empty afterwards (as after ``reset``)."""
         self.store.close()
         self.residual.clear()
+        self.finite.reset()
         for codec in self.codecs or ():
             codec.forget()
         self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
