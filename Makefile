@@ -7,13 +7,13 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench-core clean
+.PHONY: demo test bench-core serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,quanto,hqq]"
+	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,6 +24,9 @@ test: $(STAMP)
 
 bench-core: $(STAMP)
 	$(PY) bench/bench_core.py
+
+serve: $(STAMP)
+	$(VENV)/bin/tiercache serve --model tiny --store configs/store.yaml
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -60,3 +60,44 @@ def build(name: str, seed: int = 0):
 def prompt(batch: int = 1, length: int = 12, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 128, (batch, length), generator=g)
+
+
+# Encoder-decoder models (cross-attention): the decoder differs from the encoder in layers and heads
+# where the family allows it, so a cache sized from the wrong half fails.
+SEQ2SEQ = ["bart", "t5", "whisper"]
+_S2S = dict(vocab_size=128, pad_token_id=0, eos_token_id=1, bos_token_id=2, decoder_start_token_id=2)
+
+
+def _seq2seq_config(name: str, decoder_layers: int = 3):
+    if name == "bart":
+        return tf.BartConfig(d_model=32, encoder_layers=2, decoder_layers=decoder_layers, encoder_attention_heads=4,
+                             decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                             max_position_embeddings=128, forced_eos_token_id=None, **_S2S), tf.BartForConditionalGeneration
+    if name == "t5":  # transformers' own default cache needs num_layers == num_decoder_layers for T5
+        return tf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=decoder_layers, num_decoder_layers=decoder_layers,
+                           num_heads=4, **_S2S), tf.T5ForConditionalGeneration
+    if name == "whisper":
+        return tf.WhisperConfig(d_model=32, encoder_layers=2, decoder_layers=decoder_layers, encoder_attention_heads=4,
+                                decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
+                                max_source_positions=16, max_target_positions=64, begin_suppress_tokens=None,
+                                suppress_tokens=None, **_S2S), tf.WhisperForConditionalGeneration
+    raise KeyError(name)
+
+
+def build_seq2seq(name: str, seed: int = 0, decoder_layers: int = 3):
+    config, cls = _seq2seq_config(name, decoder_layers)
+    torch.manual_seed(seed)
+    return cls(config).eval()
+
+
+def seq2seq_inputs(name: str, batch: int = 2, length: int = 10, seed: int = 1) -> dict:
+    """Encoder inputs: token ids, or for Whisper log-mel features ``[B, mel bins, 2 * max_source_positions]``."""
+    g = torch.Generator().manual_seed(seed)
+    if name == "whisper":
+        return {"input_features": torch.randn(batch, 8, 32, generator=g)}
+    return {"input_ids": torch.randint(3, 128, (batch, length), generator=g)}
+
+
+def encoder_length(name: str, length: int = 10) -> int:
+    """Tokens the encoder outputs for ``seq2seq_inputs`` (Whisper: its conv halves the 32 frames)."""
+    return 16 if name == "whisper" else length

@@ -122,3 +122,40 @@ def test_gemma4_generates(policy):
     assert out.shape == ref.shape
     if not policy:
         assert torch.equal(out, ref)
+
+
+SEQ2SEQ_SPECS = {  # config -> (decoder layers, (kv heads, key dim, value dim)) of what the decoder caches
+    "bart": (lambda: tf.BartConfig(d_model=48, encoder_layers=2, decoder_layers=3, encoder_attention_heads=6,
+                                   decoder_attention_heads=4, **SMALL), (3, (4, 12, 12))),
+    "t5": (lambda: tf.T5Config(d_model=32, d_kv=6, num_heads=4, num_layers=2, num_decoder_layers=5, **SMALL),
+           (5, (4, 6, 6))),
+    "whisper": (lambda: tf.WhisperConfig(d_model=48, encoder_layers=4, decoder_layers=2, encoder_attention_heads=6,
+                                         decoder_attention_heads=3, **SMALL), (2, (3, 16, 16))),
+}
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ_SPECS)
+def test_encoder_decoder_configs_are_read_for_their_decoder(name, tmp_path):
+    """transformers maps num_hidden_layers (and Whisper's num_key_value_heads) to the encoder."""
+    from tiercache.planner import resolve_model
+
+    make, (layers, shape) = SEQ2SEQ_SPECS[name]
+    config = make()
+    spec = ModelSpec.from_config(config)
+    assert (spec.num_layers, spec.kv_shape(0), spec.cross_attention) == (layers, shape, True)
+    config.save_pretrained(tmp_path)  # a local config.json, read without transformers' attribute maps
+    local = resolve_model(str(tmp_path))
+    assert (local.num_layers, local.kv_shape(0), local.cross_attention) == (layers, shape, True)
+    assert not ModelSpec.from_config(CONFIGS["llama"]()).cross_attention
+
+
+def test_composite_configs_read_their_decoder_config():
+    """T5Gemma's decoder has GQA and sliding layers of its own: read from config.decoder as a decoder config."""
+    mod = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+               sliding_window=4)
+    config = tf.T5GemmaConfig(encoder=tf.T5GemmaModuleConfig(num_hidden_layers=2, **mod),
+                              decoder=tf.T5GemmaModuleConfig(num_hidden_layers=3, layer_types=[
+                                  "sliding_attention", "full_attention", "sliding_attention"], **mod), vocab_size=128)
+    spec = ModelSpec.from_config(config)
+    assert (spec.num_layers, spec.kv_shape(0), spec.sliding_window, spec.cross_attention) == (3, (2, 8, 8), 4, True)
+    assert spec.layer_types == ("sliding_attention", "full_attention", "sliding_attention")

@@ -9,6 +9,8 @@ transformers.
 from tiercache.errors import CacheError, PolicyError
 from tiercache.policy import Policy, load_policy
 
+__version__ = "0.1.0"
+
 __all__ = ["CacheError", "Policy", "PolicyError", "TieredCache", "generate", "load_policy", "plan"]
 
 

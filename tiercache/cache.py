@@ -13,26 +13,45 @@ sliding layers trim what they kept for a rollback.
 
 Returned K/V may be views of internal buffers, valid until the next call on the cache (as with
 transformers' own caches, attention consumes them at once).
+
+Lifecycle (``tiercache.lifecycle``): ``fork()`` (also ``copy.deepcopy`` / ``copy.copy``) gives an
+independent copy, ``retier(policy)`` moves the cache to another policy in place, ``save(path,
+token_ids=None)`` / ``TieredCache.load(path, model_config, policy=None)`` persist it. All go
+through the layer protocol (``state_dict`` / ``load_state_dict``, ``export`` / ``ingest``).
+
+Legacy tuples (``tiercache.legacy``): ``TieredCache.from_legacy(past, policy, config)`` and
+``cache.to_legacy()``. Encoder-decoder models: ``TieredCache.for_encoder_decoder(policy, config)``
+returns a ``TieredEncoderDecoderCache`` (transformers' ``EncoderDecoderCache`` of two
+TieredCaches; the cross-attention half per ``tiercache.cross_attention``).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 from tiercache.chain import build_layers
-from tiercache.errors import CacheError
+from tiercache.errors import CacheError, PolicyError
 from tiercache.layers.base import KVLayer
 from tiercache.model_spec import ModelSpec
 from tiercache.policy import Policy, load_policy
 
 
 class TieredCache(Cache):
-    def __init__(self, layers: list[KVLayer], policy: Policy, model: ModelSpec, shared=None):
+    def __init__(self, layers: list[KVLayer], policy: Policy, model: ModelSpec, shared=None,
+                 model_type: str | None = None):
         super().__init__(layers=layers)
         self.policy = policy
         self.model = model
+        self.model_type = model_type  # the config's model_type (part of a save's model fingerprint)
+        self.token_ids: list | None = None  # set by load() when the save had them
         self._shared = shared
+
+    @classmethod
+    def _build(cls, policy: Policy, model: ModelSpec, model_type: str | None = None) -> "TieredCache":
+        """An empty cache of a concrete (not ``auto``) policy: the chain builder is the only constructor."""
+        layers, shared = build_layers(policy.resolve(model))
+        return cls(layers, policy, model, shared, model_type)
 
     @classmethod
     def from_policy(cls, policy, model_config, batch_size: int = 1, context_length: int | None = None) -> "TieredCache":
@@ -43,15 +62,53 @@ class TieredCache(Cache):
         length the policy's ``max_length`` is planned for, else 4096 tokens.
         """
         policy = load_policy(policy)
-        model = model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
+        model = _spec(model_config)
+        if model.cross_attention and not isinstance(model_config, ModelSpec):
+            raise PolicyError(
+                f"{type(model_config).__name__} is an encoder-decoder model: its layers attend to themselves and to "
+                "the encoder, so it needs TieredCache.for_encoder_decoder(policy, config) (an EncoderDecoderCache "
+                "of two TieredCaches)"
+            )
         if policy.auto:
             from tiercache.planner import check_sizes, choose
 
             context = context_length if context_length is not None else (policy.max_length or 4096)
             check_sizes(batch_size, context)
             policy = choose(policy, model, batch_size, context)
-        layers, shared = build_layers(policy.resolve(model))
-        return cls(layers, policy, model, shared)
+        return cls._build(policy, model, model_type_of(model_config))
+
+    @classmethod
+    def from_legacy(cls, past, policy, model_config, *, seq_length: int | None = None) -> "TieredCache":
+        """A cache holding a legacy past: a tuple of per-layer ``(key, value)`` tensors ``[B, H, S, D]``
+        (old transformers' ``past_key_values``). ``seq_length``: the tokens the past stands for, when
+        its layers are all sliding and trimmed (see ``tiercache.legacy``). Bad input is a
+        ``CacheError`` before anything is built. Encoder-decoder models: four tensors per layer,
+        and the cache of ``for_encoder_decoder`` comes back."""
+        from tiercache import legacy
+
+        return legacy.build(cls, past, load_policy(policy), _spec(model_config), seq_length)
+
+    def to_legacy(self) -> tuple:
+        """Per layer ``(keys, values)`` at full precision, fresh tensors (``()`` when empty)."""
+        from tiercache import legacy
+
+        return legacy.export(self.layers)
+
+    @classmethod
+    def for_encoder_decoder(cls, policy, model_config) -> "TieredEncoderDecoderCache":
+        """What ``generate(past_key_values=...)`` takes for BART, T5, Whisper ...: an
+        ``EncoderDecoderCache`` of two TieredCaches, the decoder's self-attention following the
+        policy, the cross-attention its ``cross_attention:`` section (default full precision)."""
+        from tiercache.cross_attention import check_supported, cross_layer_policies
+
+        check_supported(model_config)
+        policy = load_policy(policy)
+        model = _spec(model_config)
+        cross_layers = cross_layer_policies(policy, model)  # PolicyError for a decoder-only model
+        self_attention = cls.from_policy(policy, model)
+        layers, shared = build_layers(cross_layers)
+        cross = CrossAttentionCache(layers, policy, model, shared, model_type_of(model_config))
+        return TieredEncoderDecoderCache(self_attention, cross)
 
     # -- the write path --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -101,14 +158,14 @@ class TieredCache(Cache):
 
     @property
     def is_initialized(self) -> bool:
-        return any(layer.kv() is not None for layer in self.layers)
+        return any(layer.batch_size() is not None for layer in self.layers)
 
     @property
     def batch_size(self) -> int:
         for layer in self.layers:
-            held = layer.kv()
-            if held is not None:
-                return held[0].shape[0]
+            batch = layer.batch_size()
+            if batch is not None:
+                return batch
         return -1
 
     def early_initialization(self, *args, **kwargs) -> None:
@@ -172,11 +229,75 @@ class TieredCache(Cache):
                 total[place] = total.get(place, 0) + n
         return total
 
+    def tier_nbytes(self) -> dict[str, int]:
+        """Bytes held now, per tier (``device``, ``host``, ``disk``): host-tier bytes apart from
+        compute-device bytes even on a CPU-only machine (the shared buffers are device bytes)."""
+        total: dict[str, int] = {}
+        parts = [layer.tier_nbytes() for layer in self.layers]
+        if self._shared is not None:
+            parts.append({"device": sum(self._shared.nbytes().values())})
+        for part in parts:
+            for tier, n in part.items():
+                total[tier] = total.get(tier, 0) + n
+        return {tier: n for tier, n in total.items() if n}
+
     def shared_nbytes(self) -> dict[str, int]:
         """The part of ``nbytes()`` in buffers shared by all layers, per place: the dequantization
         workspace (one layer at full precision) and the offload prefetch slots (prefetch + 1
         layers). They do not grow with the number of layers; the rest is the per-layer state."""
         return self._shared.nbytes() if self._shared is not None else {}
+
+    # -- lifecycle (tiercache.lifecycle) --------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Every layer's state (``layers.{i}.`` prefixes): tensors left where they live, no copies."""
+        return {f"layers.{i}.{k}": v for i, layer in enumerate(self.layers) for k, v in layer.state_dict().items()}
+
+    def fork(self) -> "TieredCache":
+        """An independent copy: a cache built by the chain builder from the same layer policies,
+        loaded from this one's state (tensors copied onto its own tiers, disk files of its own,
+        its own prefetcher; no device mirror carried over). Writing to one never shows in the other."""
+        from tiercache.lifecycle.fork import fork
+
+        return fork(self)
+
+    def __deepcopy__(self, memo) -> "TieredCache":
+        return self.fork()
+
+    def __copy__(self) -> "TieredCache":
+        """A shallow copy would share buffers, files and a prefetcher: ``copy.copy`` forks too."""
+        return self.fork()
+
+    def retier(self, policy) -> None:
+        """Move this cache to ``policy`` (a Policy, YAML path or dict) in place, layer by layer."""
+        from tiercache.lifecycle.retier import retier
+
+        retier(self, policy)
+
+    def save(self, path, token_ids=None) -> None:
+        """Write the cache as held to one file (``tiercache.lifecycle.persist``), atomically."""
+        from tiercache.lifecycle.persist import save
+
+        save(self, path, token_ids)
+
+    @classmethod
+    def load(cls, path, model_config, *, policy=None, device=None) -> "TieredCache":
+        """A cache saved by ``save``, for this model; ``policy=`` re-tiers it on the way in,
+        ``device=`` sets the compute device (default: the one it was saved from)."""
+        from tiercache.lifecycle.persist import load
+
+        model = model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
+        cache = load(cls, path, model, model_type_of(model_config), device)
+        if policy is not None:
+            try:
+                cache.retier(policy)
+            except Exception:
+                cache.close()
+                raise
+        return cache
+
+    def shared_buffers(self) -> list[torch.Tensor]:
+        """The tensors behind ``shared_nbytes()`` (e.g. for ``tiercache.lifecycle.AllocationMeter``)."""
+        return self._shared.buffers() if self._shared is not None else []
 
     def __repr__(self) -> str:
         return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
@@ -200,3 +321,67 @@ class TieredCache(Cache):
                 getattr(self.layers[i], method)(*args)
             except CacheError as e:
                 raise CacheError(f"layer {i}: {e}") from None
+
+
+class CrossAttentionCache(TieredCache):
+    """The cross-attention half of a ``TieredEncoderDecoderCache``: its layers follow the policy's
+    ``cross_attention`` section (``tiercache.cross_attention``), not ``policy.resolve``, so the
+    operations that rebuild layers from a policy refuse it for now; ``fork`` (each layer's own
+    policy) and everything else work."""
+
+    def retier(self, policy) -> None:
+        raise CacheError("retier: not supported on the cross-attention half of an encoder-decoder cache yet "
+                         "(its layers follow the policy's cross_attention section); retier the self-attention half")
+
+    def save(self, path, token_ids=None) -> None:
+        raise CacheError("save: not supported on the cross-attention half of an encoder-decoder cache yet; "
+                         "to_legacy() gives its K/V")
+
+
+class TieredEncoderDecoderCache(EncoderDecoderCache):
+    """transformers' ``EncoderDecoderCache`` over two TieredCaches (``TieredCache.for_encoder_decoder``).
+
+    transformers keeps ``crop`` / ``batch_select_indices`` / ``batch_repeat_interleave`` for two
+    DynamicCaches; TieredCaches support them too (assisted decoding crops the self-attention half).
+    ``nbytes()`` and ``close()`` cover both halves; ``cross_nbytes()`` is the cross-attention part.
+    """
+
+    def check_dynamic_cache(self, method: str) -> None:
+        for half in (self.self_attention_cache, self.cross_attention_cache):
+            if not isinstance(half, (TieredCache, DynamicCache)):
+                raise CacheError(f"{method}: needs TieredCache or DynamicCache halves, got {type(half).__name__}")
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held now by both halves, per place (``cpu``, ``cuda:0``, ``disk`` ...)."""
+        total = dict(self.self_attention_cache.nbytes())
+        for place, n in self.cross_nbytes().items():
+            total[place] = total.get(place, 0) + n
+        return total
+
+    def cross_nbytes(self) -> dict[str, int]:
+        return self.cross_attention_cache.nbytes()
+
+    def to_legacy(self) -> tuple:
+        """Per layer ``(self key, self value, cross key, cross value)`` at full precision, fresh
+        tensors (``()`` when empty); ``TieredCache.from_legacy`` takes it back."""
+        from tiercache import legacy
+
+        return legacy.join(self.self_attention_cache.to_legacy(), self.cross_attention_cache.to_legacy(),
+                           len(self.self_attention_cache.layers))
+
+    def close(self) -> None:
+        self.self_attention_cache.close()
+        self.cross_attention_cache.close()
+
+
+def _spec(model_config) -> ModelSpec:
+    return model_config if isinstance(model_config, ModelSpec) else ModelSpec.from_config(model_config)
+
+
+def model_type_of(model_config) -> str | None:
+    """The ``model_type`` of a transformers config (its text config), None for a ModelSpec."""
+    if isinstance(model_config, ModelSpec):
+        return None
+    if hasattr(model_config, "get_text_config"):
+        model_config = model_config.get_text_config(decoder=True)
+    return getattr(model_config, "model_type", None) or None

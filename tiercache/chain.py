@@ -5,6 +5,10 @@
     quantize (+ offload):        Quantize(store factory)       the factory builds the store of
                                                                packed blocks, offloaded when asked
 
+Cross-attention layers (``layer_type == "cross_attention"``, encoder-decoder models) get
+``CrossAttention(...)`` around the chain: transformers reads them back through ``.keys`` /
+``.values``.
+
 Quantize sits *outside* Offload so that what is kept on the host and crosses the bus is the
 packed blocks, and the residual window stays on the compute device. ``Shared`` carries what
 the layers of one cache share: the offload prefetcher (side stream, device buffers) and the
@@ -83,6 +87,11 @@ class Shared:
             at += n
         return out
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The shared tensors held now (workspaces, prefetch slots): what a memory meter watches."""
+        slots = [] if self._prefetcher is None else [s.data for s in self._prefetcher.slots if s.data is not None]
+        return [*self._workspaces.values(), *slots]
+
     def workspace_nbytes(self) -> dict[str, int]:
         """Bytes of the dequantization workspaces, per place (part of ``nbytes()``)."""
         from tiercache.tiers import place_of
@@ -123,10 +132,18 @@ def build_layer(lp: LayerPolicy, shared: Shared, padded: bool = False) -> KVLaye
                          lp.index, owned_outputs=owned and lp.quantize is None)
 
     if lp.quantize is None:
-        return make_store(lp.window, max_length)
-    from tiercache.processors.quantize import Quantize
+        layer = make_store(lp.window, max_length)
+    else:
+        from tiercache.processors.quantize import Quantize
 
-    return Quantize(make_store, lp.quantize, window=lp.window, max_length=max_length, shared=None if owned else shared)
+        layer = Quantize(make_store, lp.quantize, window=lp.window, max_length=max_length,
+                         shared=None if owned else shared)
+    if lp.layer_type == "cross_attention":  # read back every step through .keys / .values
+        from tiercache.processors.cross import CrossAttention
+
+        layer = CrossAttention(layer, fresh_reads=lp.quantize is not None)
+    layer.policy = lp  # each chain knows the LayerPolicy it was built from
+    return layer
 
 
 def build_layers(layer_policies: list[LayerPolicy]) -> tuple[list[KVLayer], Shared]:

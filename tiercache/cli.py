@@ -2,9 +2,12 @@
 
     tiercache validate POLICY [--model M]           OK, or the PolicyError; exit 0 / 1
     tiercache plan POLICY --model M --context N --batch B [--weights int4] [--device cpu] [--prefill-chunk N]
+                   [--encoder-length N]            (encoder-decoder models: cross-attention K/V counted)
     tiercache generate --model M --policy POLICY (--prompt TEXT | --prompt-file F) [--max-new-tokens N]
                        [--prefill-chunk N]             chunked prefill (tiercache.prefill), then decode
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
+    tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
+                                                    the OpenAI-compatible server (tiercache.serve)
 
 ``--model`` takes ``tiny`` (the built-in trained tiny model, no network), ``tiny-random``, a
 preset shape for ``plan`` / ``validate`` (``Llama-3-8B`` ...), a local path or a hub id.
@@ -68,8 +71,8 @@ def _validate(args) -> int:
 def _plan(args) -> int:
     from tiercache.planner import main_plan
 
-    return main_plan(args.policy, args.model, args.context, args.batch, weights=args.weights, device=args.device,
-                     prefill_chunk=args.prefill_chunk)
+    return main_plan(args.policy, args.model, args.context, args.batch, encoder_length=args.encoder_length,
+                     weights=args.weights, device=args.device, prefill_chunk=args.prefill_chunk)
 
 
 def _generate(args) -> int:
@@ -135,6 +138,12 @@ def _peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def _serve(args) -> int:
+    from tiercache.serve.server import main as serve_main
+
+    return serve_main(args)
+
+
 def _bench(args, rest: list[str]) -> int:
     from tiercache.bench import main
 
@@ -156,6 +165,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="compute device (default cuda)")
     pl.add_argument("--prefill-chunk", type=positive_int, default=None,
                     help="tokens per prefill chunk (default: the largest that fits a scope: total budget, else 2048)")
+    pl.add_argument("--encoder-length", type=positive_int, default=None,
+                    help="encoder-decoder models: encoder output tokens, to count cross-attention K/V")
     g = sub.add_parser("generate", help="generate text with a policy")
     g.add_argument("--model", default="tiny", help="tiny (default), tiny-random, a local model directory or a hub id")
     g.add_argument("--policy", default=None, help="policy YAML (default: full precision)")
@@ -168,6 +179,17 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--sample", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     sub.add_parser("bench", help="the trade-off benchmark (flags: tiercache bench --help)", add_help=False)
+    s = sub.add_parser("serve", help="an OpenAI-compatible server that keeps conversations' KV caches")
+    s.add_argument("--model", default="tiny", help="tiny (default), tiny-random, a local model directory or a hub id")
+    s.add_argument("--policy", default=None, help="serving policy YAML (rung 0; default: full precision)")
+    s.add_argument("--store", default=None, help="store YAML: budget per tier and demotion ladder (configs/store.yaml)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=positive_int, default=8000)
+    s.add_argument("--no-store", action="store_true", help="keep nothing between requests (prefill everything)")
+    s.add_argument("--persist", default=None, metavar="DIR", help="save stored entries here on shutdown, load on start")
+    s.add_argument("--max-active", type=positive_int, default=4, help="requests generated at once (interleaved)")
+    s.add_argument("--queue-size", type=positive_int, default=32, help="requests waiting before 429")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queue included")
     return p
 
 
@@ -179,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate" and args.policy is None:
         args.policy = {"name": "full-precision"}
     try:
-        return {"validate": _validate, "plan": _plan, "generate": _generate}[args.command](args)
+        return {"validate": _validate, "plan": _plan, "generate": _generate, "serve": _serve}[args.command](args)
     except CacheError as e:
         return _error(args.command, str(e))
 

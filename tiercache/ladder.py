@@ -3,7 +3,7 @@
 Interface
     RUNGS                       the ladder, least lossy (and fastest) first
     candidates(policy) -> [(name, Policy | PolicyError)]
-    walk(policy, spec, batch, context) -> Plan      the chosen rung's Plan, with ``.rungs``
+    walk(policy, spec, batch, context, encoder_length=None) -> Plan      the chosen rung's Plan, with ``.rungs``
 
 The ladder (each rung costs more quality or more speed than the one before):
 
@@ -85,7 +85,7 @@ def candidates(auto: Policy) -> list[tuple[str, "Policy | PolicyError"]]:
     return out
 
 
-def walk(auto: Policy, spec, batch: int, context: int, run=None):
+def walk(auto: Policy, spec, batch: int, context: int, encoder_length: int | None = None, run=None):
     from tiercache.planner import human, plan_concrete
 
     rungs: list[Rung] = []
@@ -94,7 +94,7 @@ def walk(auto: Policy, spec, batch: int, context: int, run=None):
         if isinstance(cand, PolicyError):
             rungs.append(Rung(name, None, None, f"rejected: {cand}"))
             continue
-        p = plan_concrete(cand, spec, batch, context)
+        p = plan_concrete(cand, spec, batch, context, encoder_length)
         p.requested = auto
         if run is not None:  # the budget is known now: choose the prefill chunk against it
             run.attach(p)

@@ -16,6 +16,12 @@ model passes to ``cache.update`` (transformers 5.x):
   ``qk_rope_head_dim`` wide;
 - heterogeneous configs (``per_layer_config``, e.g. Gemma 4's wider full-attention layers):
   read layer by layer.
+Encoder-decoder configs (``is_encoder_decoder``: BART, T5, Whisper, Marian, Pegasus ...) are read
+for their *decoder*, whose layers are what the cache holds: ``decoder_layers`` /
+``num_decoder_layers``, ``decoder_attention_heads`` / ``num_heads``, ``d_kv`` (T5) else ``d_model /
+heads`` (``decoder_view``), or a composite config's own ``decoder`` config (``EncoderDecoderConfig``:
+BERT to GPT-2 ...); ``cross_attention`` is then True: each decoder layer also caches the
+encoder output's K/V, of the same ``kv_shape(i)`` (``TieredCache.for_encoder_decoder``).
 KV sharing (``kv_sharing_modes``, Gemma 3n / Gemma 4): a ``"reuse"`` layer never updates the
 cache (it reads another layer's K/V), so it holds nothing; a ``"store"`` layer's returned K/V
 are kept by the model and read after other layers have updated, so its chain must return
@@ -24,7 +30,8 @@ tensors of its own (``kv_sharing(i)``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 from tiercache.errors import PolicyError
 
@@ -43,6 +50,7 @@ class ModelSpec:
     value_dim: int | None = None  # when values are not head_dim wide (None: head_dim)
     layer_shapes: tuple[tuple[int, int, int], ...] | None = None  # per layer when layers differ
     kv_sharing_modes: tuple[str | None, ...] | None = None  # per layer: None | "store" | "reuse"
+    cross_attention: bool = False  # encoder-decoder: each layer also caches cross-attention K/V of kv_shape(i)
 
     @property
     def dtype_bytes(self) -> int:
@@ -66,10 +74,18 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config) -> "ModelSpec":
-        if hasattr(config, "get_text_config"):
+        cross = getattr(config, "is_encoder_decoder", False) is True
+        sub = getattr(config, "decoder", None) if cross else None
+        if isinstance(sub, dict):
+            sub = SimpleNamespace(**sub)
+        if sub is not None and hasattr(sub, "num_attention_heads"):  # a composite config (EncoderDecoderConfig):
+            return replace(cls.from_config(sub), cross_attention=True)  # its decoder's own config, read as usual
+        if cross:  # read before get_text_config, which gives BART a fresh default config
+            config = decoder_view(config)
+        elif hasattr(config, "get_text_config"):
             config = config.get_text_config(decoder=True)
         per_layer = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else None
-        name = type(config).__name__
+        name = getattr(config, "config_name", None) or type(config).__name__
         n = getattr(config, "num_hidden_layers", None)
         heads = _read(config, "num_attention_heads", per_layer)
         if n is None or heads is None:
@@ -115,7 +131,38 @@ class ModelSpec:
             value_dim=value_dim if value_dim != head_dim else None,
             layer_shapes=tuple(shapes) if len(set(shapes)) > 1 else None,
             kv_sharing_modes=sharing,
+            cross_attention=cross,
         )
+
+
+_FIRST = {  # decoder attribute -> names encoder-decoder configs use for it, first found wins
+    "num_hidden_layers": ("decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers"),
+    "num_attention_heads": ("decoder_attention_heads", "num_decoder_attention_heads", "num_heads",
+                            "num_attention_heads"),
+    "head_dim": ("d_kv", "head_dim"),
+    "hidden_size": ("d_model", "hidden_size"),
+}
+
+
+def decoder_view(config) -> SimpleNamespace:
+    """The decoder of an encoder-decoder config, under decoder-only names (no GQA: keys and values
+    have one head per attention head; transformers' attribute maps point ``num_hidden_layers`` and
+    ``num_key_value_heads`` at the *encoder* of BART / Whisper, so raw names are read first)."""
+    raw = getattr(config, "__dict__", {})
+
+    def first(names):
+        for n in names:
+            value = raw.get(n) if n in raw else getattr(config, n, None)
+            if value is not None:
+                return value
+        return None
+
+    view = {k: first(names) for k, names in _FIRST.items()}
+    view["num_key_value_heads"] = view["num_attention_heads"]
+    for name in ("dtype", "_name_or_path", "model_type"):
+        view[name] = getattr(config, name, None)
+    view["config_name"] = f"{type(config).__name__} (decoder)"
+    return SimpleNamespace(**view)
 
 
 def _kv_shape(c, name: str) -> tuple[int, int, int]:
@@ -162,5 +209,10 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("Mistral-7B", 32, ("sliding_attention",) * 32, kv_heads=8, head_dim=128, sliding_window=4096),
         ModelSpec("Gemma-2-9B", 42, _alternating(42), kv_heads=8, head_dim=256, sliding_window=4096),
         ModelSpec("Qwen2.5-7B", 28, ("full_attention",) * 28, kv_heads=4, head_dim=128),
+        # encoder-decoder (decoder layers; cross-attention K/V of the same shape): plan with --encoder-length
+        ModelSpec("Whisper-large-v3", 32, ("full_attention",) * 32, kv_heads=20, head_dim=64, dtype="float16",
+                  cross_attention=True),
+        ModelSpec("BART-large", 12, ("full_attention",) * 12, kv_heads=16, head_dim=64, dtype="float32",
+                  cross_attention=True),
     )
 }

@@ -1,7 +1,8 @@
 """Render a Plan as text: layers grouped by identical rows, totals per tier, budget verdicts.
 
 Interface: ``render(plan) -> str`` (``Plan.table()`` calls it). Consecutive layers with the same
-form, place and bytes share one row (``0-31``), so an 80-layer model stays readable. For an auto
+form, place and bytes share one row (``0-31``), so an 80-layer model stays readable; an
+encoder-decoder plan lists its cross-attention layers after the self-attention ones. For an auto
 policy the candidate ladder comes first: every rung with its bytes and why it was chosen or not.
 """
 
@@ -19,6 +20,7 @@ def render(plan) -> str:
     lines.append(
         f"model {spec.name}: {spec.num_layers} layers, {spec.describe()}, {spec.dtype}"
         f" | batch {p.batch_size} | context {p.context_length} tokens"
+        + (f" | encoder {p.encoder_length} tokens" if p.encoder_length is not None else "")
     )
     if p.rungs is not None:
         lines += ["", "auto ladder (least lossy first; the first rung that fits is chosen):"]
@@ -27,15 +29,18 @@ def render(plan) -> str:
         lines += ["", f"chosen: {p.policy.name}"]
     lines.append("")
     rows = [[_indices([r.index for r in g]), str(len(g)), g[0].layer_type, g[0].form, g[0].place, str(g[0].tokens),
-             *(human(sum(r.bytes[t] for r in g)) for t in TIERS)] for g in _groups(p.layers)]
+             *(human(sum(r.bytes[t] for r in g)) for t in TIERS)] for g in _groups(p.layers + p.cross_layers)]
     if p.mirrors:
         rows.append(["", "", "offload mirrors", "device copies of prefetch+1 layers", "device", "",
                      human(p.mirrors), "", ""])
     if p.workspace:
         rows.append(["", "", "workspace", "shared: one decode step dequantized", "device", "", human(p.workspace), "", ""])
-    rows.append(["", str(len(p.layers)), "total held", "", "", "", *(human(p.bytes[t]) for t in TIERS)])
+    rows.append(["", str(len(p.layers) + len(p.cross_layers)), "total held", "", "", "", *(human(p.bytes[t]) for t in TIERS)])
     lines += _grid(["layers", "n", "type", "form", "history", "tokens", "device", "host", "disk"], rows)
     lines.append("")
+    if spec.cross_attention and p.encoder_length is None:
+        lines.append("note: an encoder-decoder model; its cross-attention K/V are not counted: give --encoder-length "
+                     "(plan(..., encoder_length=N))")
     if p.whole is not None:
         lines += _whole(p, human) + [""]
     verdicts = p.verdicts()

@@ -1,15 +1,20 @@
 """Planner: the bytes a policy's cache will hold on each tier, and whether that fits its budget.
 
 Interface
-    plan(policy, model, batch_size=1, context_length=4096) -> Plan
+    plan(policy, model, batch_size=1, context_length=4096, encoder_length=None) -> Plan
         ``policy``: a Policy, YAML path or dict; ``model``: a ModelSpec, a transformers config,
         a preset name or a local path (``resolve_model``). An ``auto: true`` policy is first
         resolved by the candidate ladder (``tiercache.ladder``); the Plan then carries every rung.
+        Encoder-decoder models: ``context_length`` is the decoder's tokens (self-attention);
+        ``encoder_length`` the encoder output's, whose cross-attention K/V every decoder layer
+        holds (``policy.cross_attention``, ``TieredCache.for_encoder_decoder``). Without it the
+        cross-attention is not counted (the table says so).
     choose(policy, model, batch, context) -> Policy
         the concrete policy an ``auto`` policy stands for (``TieredCache.from_policy`` calls it).
     resolve_model(name_or_path) -> ModelSpec
-    main_plan(policy_path, model, context, batch, out, err, **run) -> exit code (the ``tiercache plan``
-        CLI; ``run``: ``weights``, ``device``, ``prefill_chunk``, ``runtime`` as ``plan`` takes them)
+    main_plan(policy_path, model, context, batch, out, err, encoder_length, **run) -> exit code (the
+        ``tiercache plan`` CLI; ``run``: ``weights``, ``device``, ``prefill_chunk``, ``runtime`` as
+        ``plan`` takes them)
 
 Plan
     .bytes       {"device", "host", "disk"}: bytes *held* once ``context_length`` tokens are in
@@ -26,6 +31,9 @@ Plan
                  and mirrors included); with ``scope: total`` the whole footprint's total.
                  True when there is no budget.
     .layers      one LayerRow per layer; ``.rungs`` (auto only) one Rung per ladder candidate.
+    .cross_layers  encoder-decoder with ``encoder_length``: one LayerRow per cross-attention
+                 layer (the ``cross_attention_cache`` half); their bytes, device mirrors and
+                 workspace (that half has its own) are in ``.bytes``, ``.mirrors``, ``.workspace``.
     .table()     the human-readable report.
 
 Comparing with a real cache: ``tier_bytes(cache.nbytes(), device)`` maps places to tiers (the
@@ -77,6 +85,8 @@ class Plan:
     requested: Policy | None = None  # the auto policy, when ``policy`` was chosen by the ladder
     whole: object | None = None  # tiercache.whole.Whole: every line of the run's footprint
     prefill_chunk: int | None = None
+    cross_layers: list[LayerRow] = field(default_factory=list)  # encoder-decoder, with encoder_length
+    encoder_length: int | None = None
 
     @property
     def budget(self) -> Budget | None:
@@ -106,9 +116,12 @@ class Plan:
         return render(self)
 
 
-def plan(policy, model, batch_size: int = 1, context_length: int = 4096, *, weights: str | None = None,
-         device: str = "cuda", prefill_chunk: int | None = None, runtime: int | None = None) -> Plan:
+def plan(policy, model, batch_size: int = 1, context_length: int = 4096, encoder_length: int | None = None, *,
+         weights: str | None = None, device: str = "cuda", prefill_chunk: int | None = None,
+         runtime: int | None = None) -> Plan:
     """``model`` may also be a loaded ``torch.nn.Module`` (its parameters are counted exactly).
+    ``encoder_length``: an encoder-decoder model's encoder tokens (its cross-attention K/V are
+    counted, in ``.cross_layers``, ``.bytes`` and the whole footprint's cache line).
     ``weights``: the weights' format (``tiercache.weights.FORMATS``; default the model's dtype);
     ``device``: ``cuda`` or ``cpu`` (the attention kernel and the runtime line); ``prefill_chunk``:
     default the largest of ``activations.CHUNKS`` that fits a ``scope: total`` budget, else 2048;
@@ -121,16 +134,21 @@ def plan(policy, model, batch_size: int = 1, context_length: int = 4096, *, weig
         resolve_model(model) if isinstance(model, (str, Path)) else ModelSpec.from_config(
             model.config if hasattr(model, "parameters") and hasattr(model, "config") else model))
     check_sizes(batch_size, context_length)
+    if encoder_length is not None:
+        check_sizes(batch_size, encoder_length, "encoder_length")
+        if not spec.cross_attention:
+            raise PolicyError(f"plan: encoder_length is for encoder-decoder models; {spec.name} is decoder-only "
+                              "(no cross-attention to count)")
     if policy.auto:
         from tiercache.ladder import walk
 
-        return walk(policy, spec, batch_size, context_length, run)
-    return plan_concrete(policy, spec, batch_size, context_length, run)
+        return walk(policy, spec, batch_size, context_length, encoder_length, run)
+    return plan_concrete(policy, spec, batch_size, context_length, encoder_length, run)
 
 
-def check_sizes(batch_size, context_length) -> None:
+def check_sizes(batch_size, context_length, context_name: str = "context_length") -> None:
     """``PolicyError`` unless both are ints >= 1."""
-    for name, v in (("batch_size", batch_size), ("context_length", context_length)):
+    for name, v in (("batch_size", batch_size), (context_name, context_length)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise PolicyError(f"plan: {name} must be an integer >= 1, got {v!r}")
 
@@ -147,9 +165,30 @@ def choose(policy, model, batch: int = 1, context: int = 4096) -> Policy:
     return p.policy
 
 
-def plan_concrete(policy: Policy, spec: ModelSpec, batch: int, context: int, run=None) -> Plan:
-    layer_policies = policy.resolve(spec)
-    prints: list[Footprint] = [layer_footprint(lp, spec, batch, context) for lp in layer_policies]
+def plan_concrete(policy: Policy, spec: ModelSpec, batch: int, context: int, encoder_length: int | None = None,
+                  run=None) -> Plan:
+    rows, mirrors, workspace, totals = _half(policy.resolve(spec), spec, batch, context)
+    cross_rows = []
+    if encoder_length is not None:  # the cross_attention_cache half: its own layers, mirrors and workspace
+        from tiercache.cross_attention import cross_layer_policies
+
+        cross_rows, more_mirrors, more_workspace, more = _half(cross_layer_policies(policy, spec), spec, batch,
+                                                                 encoder_length)
+        mirrors, workspace = mirrors + more_mirrors, workspace + more_workspace
+        totals = {tier: totals[tier] + more[tier] for tier in TIERS}
+    problems = []
+    if policy.storage == "static" and policy.max_length is not None and context > policy.max_length:
+        problems.append(f"context {context} exceeds static max_length {policy.max_length}")
+    p = Plan(policy, spec, batch, context, rows, mirrors, totals, workspace, problems,
+             cross_layers=cross_rows, encoder_length=encoder_length)
+    if run is not None:
+        run.attach(p)
+    return p
+
+
+def _half(layer_policies, spec: ModelSpec, batch: int, tokens: int):
+    """Rows, device mirrors, workspace and totals per tier of one TieredCache's layers."""
+    prints: list[Footprint] = [layer_footprint(lp, spec, batch, tokens) for lp in layer_policies]
     prefetch = max((lp.offload.prefetch for lp in layer_policies if lp.offload is not None), default=0)
     mirrors = mirror_bytes(prints, prefetch)
     workspace = workspace_bytes(prints, spec, batch)
@@ -157,13 +196,7 @@ def plan_concrete(policy: Policy, spec: ModelSpec, batch: int, context: int, run
     totals["device"] += mirrors + workspace
     rows = [LayerRow(lp.index, lp.layer_type, _form(lp, spec), _place(lp), f.tokens,
                      {t: f.held.get(t, 0) for t in TIERS}, f.mirrored) for lp, f in zip(layer_policies, prints)]
-    problems = []
-    if policy.storage == "static" and policy.max_length is not None and context > policy.max_length:
-        problems.append(f"context {context} exceeds static max_length {policy.max_length}")
-    p = Plan(policy, spec, batch, context, rows, mirrors, totals, workspace, problems)
-    if run is not None:
-        run.attach(p)
-    return p
+    return rows, mirrors, workspace, totals
 
 
 def tier_bytes(nbytes: dict, device) -> dict[str, int]:
@@ -225,13 +258,14 @@ class _JsonConfig:
 
 # -- CLI -------------------------------------------------------------------------------------------
 
-def main_plan(policy_path: str, model: str, context: int, batch: int, out=None, err=None, **run) -> int:
+def main_plan(policy_path: str, model: str, context: int, batch: int, out=None, err=None,
+              encoder_length: int | None = None, **run) -> int:
     """``tiercache plan``: print the table (``out``, default stdout); 0 when it fits, 1 when it does
     not or on error (``tiercache plan: error: ...`` on ``err``, default stderr)."""
     out = out if out is not None else sys.stdout  # looked up per call: sys.stdout may be replaced
     err = err if err is not None else sys.stderr
     try:
-        p = plan(load_policy(policy_path), model, batch, context, **run)
+        p = plan(load_policy(policy_path), model, batch, context, encoder_length, **run)
     except PolicyError as e:
         print(f"tiercache plan: error: {e}", file=err)
         return 1

@@ -12,6 +12,8 @@ Choices where DESIGN.md is silent
   ``layer_type``) with an ``offload`` section: they are small, and offloading them is slower.
 - ``offload.path`` defaults to the system temp directory for ``device: disk``.
 - ``bits: 8`` with ``format: fp8`` selects e4m3 floating point (native backend only).
+- ``cross_attention`` (encoder-decoder models, ``tiercache.cross_attention``): its own ``quantize``
+  / ``offload``, not merged with the top-level ones; omitted means full precision on the device.
 """
 
 from __future__ import annotations
@@ -89,6 +91,16 @@ class Override:
 
 
 @dataclass(frozen=True)
+class CrossAttentionPolicy:
+    """Encoder-decoder models: how the cross-attention K/V (written once from the encoder output)
+    are kept. Its own section, not merged with the top-level ``quantize`` / ``offload``: omitted
+    (or ``null`` fields) means full precision on the compute device."""
+
+    quantize: QuantizePolicy | None = None
+    offload: OffloadPolicy | None = None
+
+
+@dataclass(frozen=True)
 class Budget:
     device: Size | None = None
     host: Size | None = None
@@ -124,6 +136,7 @@ class Policy:
     overrides: tuple[Override, ...] = ()
     budget: Budget | None = None
     auto: bool = False
+    cross_attention: CrossAttentionPolicy | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> "Policy":
@@ -327,6 +340,8 @@ def _quantize_sections(p: Policy):
     for i, o in enumerate(p.overrides):
         if o.quantize not in (None, UNSET):
             yield f"policy.overrides[{i}].quantize", o.quantize
+    if p.cross_attention is not None and p.cross_attention.quantize is not None:
+        yield "policy.cross_attention.quantize", p.cross_attention.quantize
 
 
 def _offload_sections(p: Policy):
@@ -335,6 +350,8 @@ def _offload_sections(p: Policy):
     for i, o in enumerate(p.overrides):
         if o.offload not in (None, UNSET):
             yield f"policy.overrides[{i}].offload", o.offload
+    if p.cross_attention is not None and p.cross_attention.offload is not None:
+        yield "policy.cross_attention.offload", p.cross_attention.offload
 
 
 def _check_quantize(q: QuantizePolicy, where: str) -> None:

@@ -4,6 +4,8 @@ Interface (tiny on purpose)
     empty(shape, dtype, device) -> Tensor   a new uninitialised tensor on this tier; ``device``
                                              is the compute device, used by tiers that follow it
     place(device) -> str                     the key under which its bytes are reported
+    kind                                     the tier it is: ``device``, ``host`` or ``disk``
+                                             (``tier_nbytes()`` keys, apart even on a CPU-only run)
     free(tensor)                             the tier may release what backs ``tensor`` (files)
     close()                                  release everything for good
 
@@ -28,6 +30,8 @@ def place_of(device: torch.device | str) -> str:
 class ComputeTier:
     """Allocates on the compute device (the device the keys arrive on)."""
 
+    kind = "device"
+
     def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
 
@@ -43,6 +47,8 @@ class ComputeTier:
 
 class HostTier:
     """Allocates in CPU memory; pinned (page-locked) when CUDA is available and ``pin`` is set."""
+
+    kind = "host"
 
     def __init__(self, pin: bool = True):
         self.pin = bool(pin) and torch.cuda.is_available()

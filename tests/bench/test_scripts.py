@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,13 +22,21 @@ SCRIPTS = [
                                      "--kv-heads", "2", "--intermediate", "128", "--vocab", "256",
                                      "--policies", "default,tiered-int4-offload", "--out", "."],
                  ["| default | 300 |", "| tiered-int4-offload |", "runtime baseline", "wrote"], id="memory"),
+    pytest.param("bench_serve.py", ["--conversations", "1", "--turns", "2", "--history", "200", "--max-tokens", "3",
+                                    "--out", "out"],
+                 ["| TTFT store (ms) |", "| 2 |", "answers identical in every turn: True", "bench_serve.png"], id="serve"),
+    pytest.param("bench_lifecycle.py", ["--layers", "2", "--context", "64", "--kv-heads", "2", "--head-dim", "16",
+                                        "--repeats", "1", "--policies", "fp,int4,int4-host,disk"],
+                 ["| int4-host | ", "| fp | ", "retier s/GiB", "bench_lifecycle.json"], id="lifecycle"),
 ]
 
 
 @pytest.mark.parametrize("script, args, expected", SCRIPTS)
 def test_bench_script_runs(script, args, expected, tmp_path):
+    # this checkout's package, not whichever tiercache the interpreter has installed
+    path = os.pathsep.join(p for p in (str(BENCH.parent), os.environ.get("PYTHONPATH", "")) if p)
     out = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
-                         timeout=600, cwd=tmp_path)
+                         timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": path})
     assert out.returncode == 0, out.stderr[-3000:]
     for text in expected:
         assert text in out.stdout, f"{text!r} missing from the output of {script}:\n{out.stdout[-3000:]}"

@@ -32,9 +32,37 @@ Required
         the layer they wrap through this (never through its attributes).
     nbytes() -> dict[place, int]
         Bytes held now, per place (``"cpu"``, ``"cuda:0"``, ``"disk"``): allocated, not logical.
+    tier_nbytes() -> dict[tier, int]
+        The same bytes keyed by tier kind (``"device"``, ``"host"``, ``"disk"``): host-tier bytes
+        stay apart from compute-device bytes even when both are the CPU.
+    batch_size() -> int | None
+        The batch the layer holds (None before its first update); cheap, never materializes.
+
+Lifecycle (what save / load / fork / retier are made of)
+    state_dict() -> dict
+        The layer's whole state, lossless: flat keys, values are tensors (views of the layer's
+        own buffers, left where they live: device, host or disk) or plain JSON values
+        (``tiercache.layers.state``); a processor nests what it wraps (``inner.``, ``store.``).
+        Includes ``seen``, the spec and the recording flag. No side effect (no fetch, no copy).
+    load_state_dict(sd)
+        Replace the layer's state by ``sd`` (tensors copied onto this layer's own tiers). The
+        chain must be the one the same layer policy builds (the chain builder is the only
+        constructor). ``CacheError`` on a malformed state; then the layer is left empty.
+    export() -> (keys, values, seen) | None
+        What the layer holds at full precision, ``[B, H, S, D]`` on the compute device (the
+        newest ``S`` of ``seen`` tokens; quantized blocks dequantized into fresh tensors, other
+        layers may return views), None before the first update. No side effect.
+    ingest(keys, values, seen)
+        Bulk load, not an attention step: afterwards the layer holds what it would hold had it
+        been fed ``seen`` tokens ending with these (a sliding layer keeps its window and its
+        ``seen``; Quantize splits blocks and residual by the KIVI rule). Replaces any state.
 
 Optional hooks (no-op defaults here)
     prefetch()          start bringing the layer to the compute device (offload)
+    evict()             drop any device copy of the layer (offload); the next use fetches it again
+    can_adopt(other) / adopt(other)
+                        take ``other``'s held state as it is held (Quantize: packed blocks of the
+                        same block format move without re-quantization); False / refused by default
     set_recording(on)   keep tokens a sliding layer would drop until the next crop (assisted decoding)
     close()             release files and buffers for good
 
@@ -58,6 +86,7 @@ from tiercache.errors import CacheError
 class KVLayer(ABC):
     is_sliding: bool = False
     is_compileable: bool = False
+    policy = None  # the LayerPolicy it was built from (set by the chain builder on a chain's outer layer)
 
     @abstractmethod
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -89,6 +118,24 @@ class KVLayer(ABC):
     @abstractmethod
     def nbytes(self) -> dict[str, int]: ...
 
+    @abstractmethod
+    def tier_nbytes(self) -> dict[str, int]: ...
+
+    @abstractmethod
+    def batch_size(self) -> int | None: ...
+
+    @abstractmethod
+    def state_dict(self) -> dict: ...
+
+    @abstractmethod
+    def load_state_dict(self, sd: dict) -> None: ...
+
+    @abstractmethod
+    def export(self) -> tuple[torch.Tensor, torch.Tensor, int] | None: ...
+
+    @abstractmethod
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None: ...
+
     def max_length(self) -> int:
         return -1
 
@@ -102,6 +149,17 @@ class KVLayer(ABC):
 
     def prefetch(self) -> None:
         """Hook: begin moving this layer to the compute device ahead of use."""
+
+    def evict(self) -> None:
+        """Hook: drop any device copy (an offloaded layer's mirror); the next use fetches it again."""
+
+    def can_adopt(self, other: "KVLayer") -> bool:
+        """Whether ``adopt(other)`` can take ``other``'s state as held (else use ``ingest(*other.export())``)."""
+        return False
+
+    def adopt(self, other: "KVLayer") -> None:
+        raise CacheError(f"{type(self).__name__} cannot adopt the state of a {type(other).__name__}; "
+                         "use ingest(*other.export())")
 
     def set_recording(self, on: bool) -> None:
         """Hook: keep tokens that would slide out until the next ``crop``."""

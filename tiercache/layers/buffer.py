@@ -7,13 +7,19 @@ does not grow with history, and readers get views, never a concatenation.
 
 ``capacity_for(n)`` is the capacity a buffer that grew to ``n`` tokens holds; the planner uses it
 to predict ``nbytes()`` exactly.
+
+``state_dict()`` is ``spec``, ``capacity`` and the held ``keys`` / ``values`` (views, ``[B, H, n,
+D]``); ``load_state_dict(sd)`` allocates the same capacity on this buffer's own tier and copies
+the held tokens in (so a loaded buffer reports the same ``nbytes()``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from tiercache.errors import CacheError
 from tiercache.layers.spec import KVSpec, check_pair
+from tiercache.layers.state import empty_pair, field, held_pair, spec_from, spec_state
 
 CHUNK = 256  # tokens of capacity added at a time
 
@@ -52,6 +58,47 @@ class Buffer:
             return {}
         size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
         return {self.tier.place(self.spec.device): size}
+
+    def tier_nbytes(self) -> dict[str, int]:
+        """``nbytes()`` keyed by tier kind (``device`` / ``host`` / ``disk``) instead of place."""
+        return {self.tier.kind: n for n in self.nbytes().values()}
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of every held token, zero-token tensors when none (needs a spec)."""
+        return self.view() if self.keys is not None else empty_pair(self.spec)
+
+    def state_dict(self) -> dict:
+        if self.spec is None:
+            return {"spec": None}
+        k, v = self.held()
+        return {"spec": spec_state(self.spec), "capacity": self.capacity, "keys": k, "values": v}
+
+    def load_state_dict(self, sd: dict, kind: str) -> None:
+        """Replace the held tokens by the state's (copied onto this tier); ``CacheError`` when the
+        state is malformed, checked before anything changes."""
+        spec = spec_from(sd.get("spec"))
+        if spec is None:
+            self.clear()
+            return
+        capacity = field(sd, "capacity", kind)
+        k, v = sd.get("keys"), sd.get("values")
+        n = k.shape[2] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1
+        k, v = held_pair(sd, spec, n, kind)
+        if n > capacity:
+            raise CacheError(f"state of a {kind} layer: {n} tokens held in a capacity of {capacity}")
+        self.clear()
+        self.spec = spec
+        if capacity:
+            self._replace(self._alloc(spec.batch, capacity, spec.key_dim), self._alloc(spec.batch, capacity, spec.value_dim))
+            self.keys[:, :, :n].copy_(k)
+            self.values[:, :, :n].copy_(v)
+        self.start, self.end = 0, n
+
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, spec: KVSpec, slack: int = 0) -> None:
+        """Hold exactly ``key`` / ``value``, allocated as an append of them to an empty buffer."""
+        self.clear()
+        self.spec = spec
+        self.append(key, value, slack)
 
     def check(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """``CacheError`` unless ``key, value`` can be appended: a valid pair, matching what is held."""

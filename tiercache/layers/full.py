@@ -6,6 +6,7 @@ import torch
 
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.buffer import CHUNK, Buffer
+from tiercache.layers.state import check_ingest, expect, nest, part
 from tiercache.tiers import ComputeTier
 
 
@@ -57,6 +58,28 @@ class FullLayer(KVLayer):
 
     def nbytes(self) -> dict[str, int]:
         return self.buffer.nbytes()
+
+    def tier_nbytes(self) -> dict[str, int]:
+        return self.buffer.tier_nbytes()
+
+    def batch_size(self) -> int | None:
+        return None if self.buffer.spec is None else self.buffer.spec.batch
+
+    def state_dict(self) -> dict:
+        return {"kind": "full", **nest("buffer.", self.buffer.state_dict())}
+
+    def load_state_dict(self, sd: dict) -> None:
+        expect(sd, "full")
+        self.buffer.load_state_dict(part(sd, "buffer."), "full")
+
+    def export(self):
+        if self.buffer.spec is None:
+            return None
+        k, v = self.buffer.held()
+        return k, v, len(self.buffer)
+
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
+        self.buffer.ingest(key, value, check_ingest(key, value, seen, "full", whole=True))
 
     def _batch(self) -> int:
         return self.buffer.spec.batch if self.buffer.spec is not None else 0

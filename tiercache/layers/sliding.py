@@ -17,6 +17,7 @@ from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.buffer import CHUNK, Buffer
 from tiercache.layers.spec import KVSpec
+from tiercache.layers.state import check_ingest, expect, field, nest, part
 from tiercache.tiers import ComputeTier
 
 
@@ -121,6 +122,38 @@ class SlidingLayer(KVLayer):
 
     def nbytes(self) -> dict[str, int]:
         return self.buffer.nbytes()
+
+    def tier_nbytes(self) -> dict[str, int]:
+        return self.buffer.tier_nbytes()
+
+    def batch_size(self) -> int | None:
+        return None if self.buffer.spec is None else self.buffer.spec.batch
+
+    def state_dict(self) -> dict:
+        return {"kind": "sliding", "window": self.window, "seen": self.seen, "recording": self.recording,
+                **nest("buffer.", self.buffer.state_dict())}
+
+    def load_state_dict(self, sd: dict) -> None:
+        expect(sd, "sliding")
+        seen, recording = field(sd, "seen", "sliding"), field(sd, "recording", "sliding", bool)
+        if field(sd, "window", "sliding") != self.window:
+            raise CacheError(f"state of a sliding layer: window {sd['window']}, this layer's is {self.window}")
+        self.buffer.load_state_dict(part(sd, "buffer."), "sliding")
+        self.seen, self.recording = seen, recording
+
+    def export(self):
+        if self.buffer.spec is None:
+            return None
+        k, v = self.buffer.held()
+        return k, v, self.seen
+
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
+        """Hold the last ``window - 1`` of the given tokens (all of them while recording)."""
+        spec = check_ingest(key, value, seen, "sliding", whole=False)
+        keep = key.shape[2] if self.recording else min(key.shape[2], self.window - 1)
+        at = key.shape[2] - keep
+        self.buffer.ingest(key.narrow(2, at, keep), value.narrow(2, at, keep), spec, slack=self.slack)
+        self.seen = seen
 
     def _batch(self) -> int:
         return self.buffer.spec.batch if self.buffer.spec is not None else 0

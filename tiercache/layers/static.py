@@ -18,6 +18,7 @@ import torch
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.spec import KVSpec
+from tiercache.layers.state import check_ingest, empty_pair, expect, field, held_pair, spec_from, spec_state
 from tiercache.tiers import ComputeTier
 
 
@@ -122,6 +123,54 @@ class StaticLayer(KVLayer):
             return {}
         size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
         return {self.tier.place(self.spec.device): size}
+
+    def tier_nbytes(self) -> dict[str, int]:
+        return {self.tier.kind: n for n in self.nbytes().values()}
+
+    def batch_size(self) -> int | None:
+        return None if self.spec is None else self.spec.batch
+
+    def state_dict(self) -> dict:
+        if self.spec is None:
+            return {"kind": "static", "spec": None}
+        return {"kind": "static", "spec": spec_state(self.spec), "length": self.length,
+                "keys": self.keys[:, :, : self.length], "values": self.values[:, :, : self.length]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        expect(sd, "static")
+        spec = spec_from(sd.get("spec"))
+        if spec is None:
+            self.reset()
+            return
+        length = field(sd, "length", "static")
+        k, v = held_pair(sd, spec, length, "static")
+        self._room(length)
+        self._fill(spec, k, v)
+
+    def export(self):
+        if self.spec is None:
+            return None
+        k, v = self.kv() or empty_pair(self.spec)
+        return k, v, self.length
+
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
+        spec = check_ingest(key, value, seen, "static", whole=True)
+        self._room(seen)
+        self._fill(spec, key, value)
+
+    def _room(self, tokens: int) -> None:
+        if tokens > self.limit:
+            raise CacheError(f"static storage holds at most max_length={self.limit} tokens, cannot take {tokens}; "
+                             "raise max_length in the policy or use storage: full")
+
+    def _fill(self, spec: KVSpec, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.reset()
+        self._allocate(spec)
+        n = key.shape[2]
+        self.keys[:, :, :n].copy_(key)
+        self.values[:, :, :n].copy_(value)
+        self.position.fill_(n)
+        self.length = n
 
     def _allocate(self, spec: KVSpec) -> None:
         s = spec

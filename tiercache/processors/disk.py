@@ -37,6 +37,8 @@ def reserve(fd: int, nbytes: int) -> None:
 
 
 class DiskTier:
+    kind = "disk"
+
     def __init__(self, path: str | None = None, label: str = "kv"):
         self.root = os.fspath(path) if path is not None else tempfile.gettempdir()
         self.label = label

@@ -54,6 +54,7 @@ from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer
 from tiercache.layers.buffer import capacity_for
 from tiercache.layers.spec import check_pair
+from tiercache.layers.state import expect, nest, part
 from tiercache.policy import OffloadPolicy
 from tiercache.processors.prefetch import Prefetcher
 from tiercache.tiers import HostTier
@@ -200,6 +201,47 @@ class Offload(KVLayer):
     def nbytes(self) -> dict[str, int]:
         self._settle()
         return self.inner.nbytes()  # the device mirror is the prefetcher's (see module docstring)
+
+    def tier_nbytes(self) -> dict[str, int]:
+        return self.inner.tier_nbytes()
+
+    def batch_size(self) -> int | None:
+        return self.inner.batch_size()
+
+    # -- lifecycle: the host copy is the state; the mirror is never part of it ------------------
+    def state_dict(self) -> dict:
+        return {"kind": "offload", "device": None if self.device is None else str(self.device),
+                **nest("inner.", self.inner.state_dict())}
+
+    def load_state_dict(self, sd: dict) -> None:
+        expect(sd, "offload")
+        device = sd.get("device")
+        if device is not None and not isinstance(device, str):
+            raise CacheError(f"state of an offload layer: device should be a string or None, got {device!r}")
+        self.prefetcher.evict(self)
+        self.device = None
+        self.inner.load_state_dict(part(sd, "inner."))
+        self.device = None if device is None else torch.device(device)
+
+    def export(self):
+        """The host copy, on the compute device (a copy there when that is not the CPU)."""
+        held = self.inner.export()
+        if held is None or self.device is None or held[0].device == self.device:
+            return held
+        k, v, seen = held
+        return k.to(self.device), v.to(self.device), seen
+
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
+        check_pair(key, value)
+        self.prefetcher.evict(self)
+        host_k, host_v = self._to_host(key, value) if key.shape[2] else (key.cpu(), value.cpu())
+        self.inner.ingest(host_k, host_v, seen)
+        self.device = key.device
+
+    def evict(self) -> None:
+        self.prefetcher.evict(self)
+        self.k = self.v = None  # the slot's memory is no longer held through this layer
+        self.lo = self.held = 0
 
     def prefetch(self) -> None:
         if self.device is not None and self.inner.kv() is not None:

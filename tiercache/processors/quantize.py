@@ -68,9 +68,10 @@ from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.spec import KVSpec
 from tiercache.processors import backends
+from tiercache.processors import quantize_state
 from tiercache.processors.blocks import BlockCodec
 from tiercache.processors.finite import FiniteGuard
-from tiercache.tiers import place_of
+from tiercache.processors.residual import Residual
 
 
 def flush_split(held: int, new: int, residual_length: int, group_size: int) -> int:
@@ -81,55 +82,6 @@ def flush_split(held: int, new: int, residual_length: int, group_size: int) -> i
         return 0
     base = first % group_size  # what stays after a flush
     return total - (base + (total - first) % (first - base))
-
-
-class Residual:
-    """The newest tokens in full precision, in exactly-sized ``[B, H, r, D]`` tensors (or None)."""
-
-    def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def view(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if lo == 0 and hi is None:
-            return self.keys, self.values
-        hi = len(self) if hi is None else hi
-        return self.keys.narrow(2, lo, hi - lo), self.values.narrow(2, lo, hi - lo)  # [B, H, hi-lo, D]
-
-    def replace(self, drop: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Forget the oldest ``drop`` tokens and append ``key``/``value`` (copied), in one bounded copy."""
-        held = len(self)
-        if held - drop + key.shape[2] == 0:
-            self.keys = self.values = None
-        elif drop == held:
-            self.keys, self.values = key.clone(memory_format=torch.contiguous_format), value.clone(
-                memory_format=torch.contiguous_format)
-        elif key.shape[2] or drop:
-            k, v = self.view(drop)
-            self.keys, self.values = torch.cat([k, key], 2), torch.cat([v, value], 2)
-
-    def truncate(self, n: int) -> None:
-        """Forget the newest ``n`` tokens."""
-        if n:
-            k, v = self.view(0, len(self) - n)
-            self.keys, self.values = (k.clone(), v.clone()) if k.shape[2] else (None, None)
-
-    def gather(self, index: torch.Tensor) -> None:
-        if self.keys is not None:
-            index = index.to(self.keys.device)
-            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
-
-    def clear(self) -> None:
-        self.keys = self.values = None
-
-    def nbytes(self) -> dict[str, int]:
-        if self.keys is None:
-            return {}
-        size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-        return {place_of(self.keys.device): size}
 
 
 class Quantize(KVLayer):
@@ -144,7 +96,8 @@ class Quantize(KVLayer):
         if window is not None:
             if not isinstance(window, int) or window < 1:
                 raise CacheError(f"sliding window must be an int >= 1, got {window!r}")
-            self.store = make_store(window=-(-(window - 1) // self.g) + 1, chunk=chunk)
+            self.store_window = -(-(window - 1) // self.g) + 1  # blocks; it keeps one less
+            self.store = make_store(window=self.store_window, chunk=chunk)
         elif max_length is not None:
             if not isinstance(max_length, int) or max_length < 1:
                 raise CacheError(f"static storage needs max_length >= 1, got {max_length!r}")
@@ -170,9 +123,7 @@ class Quantize(KVLayer):
                 f"cannot take {t} more; raise max_length in the policy or use storage: full"
             )
         self.finite.check(key, value, self.seen, lambda: self._non_finite(key, value))  # no host sync on CUDA
-        codecs = self.codecs or tuple(
-            BlockCodec(self.backend, self.g, d, axis, spec.dtype)
-            for d, axis in ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
+        codecs = self.codecs or self._codecs(spec)
         held = len(self.residual)
         flush = flush_split(held, t, self.r, self.g)  # oldest tokens to pack now
         taken = min(flush, held)
@@ -296,6 +247,35 @@ class Quantize(KVLayer):
             return None
         return self._assemble(self._held_blocks(), None, None, workspace=False)
 
+    def tier_nbytes(self) -> dict[str, int]:
+        out = dict(self.store.tier_nbytes())
+        for size in self.residual.nbytes().values():
+            out["device"] = out.get("device", 0) + size
+        return out
+
+    def batch_size(self) -> int | None:
+        return None if self.spec is None else self.spec.batch
+
+    # -- lifecycle (tiercache.processors.quantize_state) ------------------------------------------
+    def state_dict(self) -> dict:
+        return quantize_state.state_dict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        quantize_state.load_state_dict(self, sd)
+
+    def export(self):
+        return quantize_state.export(self)
+
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
+        quantize_state.ingest(self, key, value, seen)
+
+    def can_adopt(self, other: KVLayer) -> bool:
+        return isinstance(other, Quantize) and other.config == self.config
+
+    def adopt(self, other: "Quantize") -> None:
+        """Take ``other``'s state as held (same block format): packed blocks move, never re-quantized."""
+        quantize_state.adopt(self, other)
+
     def nbytes(self) -> dict[str, int]:
         out = dict(self.store.nbytes())
         for place, size in self.residual.nbytes().items():
@@ -304,6 +284,9 @@ class Quantize(KVLayer):
 
     def prefetch(self) -> None:
         self.store.prefetch()
+
+    def evict(self) -> None:
+        self.store.evict()
 
     def set_recording(self, on: bool) -> None:
         self.store.set_recording(on)
@@ -321,7 +304,10 @@ class Quantize(KVLayer):
             codec.forget()
         self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
 
-    # -- internals ------------------------------------------------------------------------------
+    def _codecs(self, spec: KVSpec) -> tuple[BlockCodec, BlockCodec]:
+        return tuple(BlockCodec(self.backend, self.g, d, axis, spec.dtype)
+                     for d, axis in ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
+
     def _held_blocks(self):
         if not self.stored:
             return None

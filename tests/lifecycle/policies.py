@@ -1,0 +1,39 @@
+"""Cache policies covering every storage / processor kind (ids readable), and a feeder."""
+
+from __future__ import annotations
+
+import torch
+
+Q = {"bits": 4, "group_size": 4, "residual_length": 6}
+POLICIES = {
+    "fp": {},
+    "static": {"storage": "static", "max_length": 96},
+    "host": {"offload": {"device": "cpu"}},
+    "disk": {"offload": {"device": "disk"}},
+    "int4": {"quantize": Q},
+    "int2-token": {"quantize": {**Q, "bits": 2, "key_axis": "token"}},
+    "hqq": {"quantize": {**Q, "backend": "hqq"}},
+    "int4-host": {"quantize": Q, "offload": {"device": "cpu"}},
+    "int4-disk": {"quantize": Q, "offload": {"device": "disk"}},
+    "static-int4": {"storage": "static", "max_length": 96, "quantize": Q},
+    "mixed": {"quantize": Q, "offload": {"device": "cpu"}, "overrides": [
+        {"layers": [0], "quantize": None},
+        {"layer_type": "sliding_attention", "offload": {"device": "cpu"}}]},
+}
+
+
+def policy(name: str, tmp_path=None) -> dict:
+    p = {"name": name, **POLICIES[name]}
+    if tmp_path is not None and p.get("offload", {}).get("device") == "disk":
+        p["offload"] = {**p["offload"], "path": str(tmp_path)}
+    if name == "mixed":  # the sliding override only exists on models with sliding layers
+        p = {**p, "overrides": p["overrides"][:1]}
+    return p
+
+
+def feed(cache, steps, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    for t in steps:
+        for i in range(len(cache.layers)):
+            h, dk, dv = cache.model.kv_shape(i)
+            cache.update(torch.randn(1, h, t, dk, generator=g), torch.randn(1, h, t, dv, generator=g), i)

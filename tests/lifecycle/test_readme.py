@@ -1,0 +1,20 @@
+"""The README's lifecycle example runs as written (fork, retier, save / load)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_readme_lifecycle_example_runs(tmp_path, monkeypatch):
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Cache lifecycle"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "README.md (cache lifecycle)", "exec"), scope)
+    assert scope["resumed"].policy.name == "default" and scope["resumed"].get_seq_length() == 312
+    assert set(scope["cache"].tier_nbytes()) == {"host", "device"}

@@ -1,0 +1,172 @@
+"""PrefixStore with fake caches: a fake holds the token ids it has "seen" as its K/V, so every
+test can check that a checked-out cache holds exactly the ids it is said to hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiercache.serve.store import PrefixStore
+
+BYTES = 10  # per token, at every rung
+
+
+class FakeCache:
+    def __init__(self, ids, place="device", fail_retier=False):
+        self.kv = list(ids)
+        self.place = place
+        self.closed = False
+        self.fail_retier = fail_retier
+        self.forks = 0
+
+    def fork(self):
+        self.forks += 1
+        return FakeCache(self.kv, self.place)
+
+    def crop(self, n):
+        self.kv = self.kv[:n] if n > 0 else self.kv[:len(self.kv) + n] if n < 0 else self.kv
+
+    def retier(self, policy):
+        if self.fail_retier:
+            raise RuntimeError("disk full")
+        self.place = policy
+
+    def nbytes(self):
+        return {self.place: BYTES * len(self.kv)} if self.kv and not self.closed else {}
+
+    def get_seq_length(self):
+        return len(self.kv)
+
+    def close(self):
+        self.closed = True
+
+
+def tiers(cache):
+    return {t: cache.nbytes().get(t, 0) for t in ("device", "host", "disk")}
+
+
+def make(budget=None, ladder=("device", "host", "disk"), **kw):
+    return PrefixStore(list(ladder), budget or {}, tiers, block_size=4, min_match=4, **kw)
+
+
+def test_next_turn_takes_the_entry():
+    store = make()
+    turn1 = list(range(10))
+    store.put(turn1, FakeCache(turn1))
+    turn2 = turn1 + [50, 51, 52]
+    cache, n = store.checkout(turn2)
+    assert n == 10 and cache.kv == turn2[:n]
+    assert len(store) == 0  # taken, not copied
+    assert store.stats()["hits"] == 1 and store.stats()["cached_tokens"] == 10
+
+
+def test_edited_message_shares_only_the_tokens_before_the_edit():
+    store = make()
+    old = list(range(20))
+    original = FakeCache(old)
+    store.put(old, original)
+    edited = old[:9] + [99] + old[10:]
+    cache, n = store.checkout(edited)
+    assert n == 9 and cache.kv == edited[:9]
+    assert cache is not original and original.kv == old and len(store) == 1  # the branch stays
+
+
+def test_same_prompt_again_leaves_one_token_to_prefill():
+    store = make()
+    ids = list(range(12))
+    store.put(ids, FakeCache(ids))
+    cache, n = store.checkout(ids)
+    assert n == 11 and cache.kv == ids[:11]
+
+
+def test_short_shared_prefix_is_a_miss():
+    store = make()
+    store.put(list(range(12)), FakeCache(range(12)))
+    cache, n = store.checkout([0, 1, 2, 77, 78])
+    assert cache is None and n == 0 and store.stats()["misses"] == 1
+
+
+def test_a_longer_turn_supersedes_its_prefix():
+    store = make()
+    store.put(list(range(8)), a := FakeCache(range(8)))
+    store.put(list(range(16)), FakeCache(range(16)))
+    assert len(store) == 1 and a.closed and store.stats()["superseded"] == 1
+
+
+def test_mismatched_cache_is_refused():
+    store = make()
+    cache = FakeCache(range(5))
+    assert not store.put(list(range(6)), cache)
+    assert cache.closed and len(store) == 0 and store.stats()["rejected"] == 1
+
+
+def test_over_budget_demotes_lru_down_the_ladder_then_evicts():
+    store = make({"device": 250, "host": 250, "disk": 250})
+    convs = [[c * 100 + i for i in range(20)] for c in range(5)]  # 200 bytes each
+    caches = []
+    for ids in convs:
+        caches.append(FakeCache(ids))
+        store.put(ids, caches[-1])
+        for t in ("device", "host", "disk"):
+            assert store.stats()["bytes"][t] <= 250, store.stats()
+    s = store.stats()
+    assert s["entries"] == {"device": 1, "host": 1, "disk": 1}
+    # each put from the second pushes the previous one to host, which pushes host's to disk ...
+    assert s["demotions"] == 1 + 2 + 2 + 2 and s["evictions"] == 2
+    assert caches[0].closed and caches[1].closed and caches[4].place == "device"
+    # the demoted conversation comes back at rung 0, holding its own tokens
+    cache, n = store.checkout(convs[2] + [1])
+    assert n == 20 and cache.kv == convs[2] and cache.place == "device"
+    assert store.checkout(convs[0] + [1]) == (None, 0)  # evicted: prefill from scratch
+
+
+def test_reserve_makes_room_and_refuses_what_cannot_fit():
+    store = make({"device": 300}, ladder=("device",))
+    store.put(list(range(20)), a := FakeCache(range(20)))
+    assert store.reserve({"device": 200})  # evicts the entry
+    assert a.closed and store.stats()["evictions"] == 1
+    assert not store.reserve({"device": 200})  # 200 + 200 > 300 with nothing left to evict
+    store.release({"device": 200})
+    assert store.reserve({"device": 300})
+
+
+def test_a_failing_demotion_evicts():
+    store = make({"device": 150})
+    store.put(list(range(10)), a := FakeCache(range(10), fail_retier=True))
+    store.put(list(range(100, 110)), FakeCache(range(100, 110)))
+    assert a.closed and store.stats()["evictions"] == 1 and len(store) == 1
+
+
+def test_a_checkout_that_fails_drops_the_entry():
+    store = make()
+    ids = list(range(10))
+    broken = FakeCache(ids, place="host", fail_retier=True)
+    store.put(ids, broken, rung=1)
+    assert store.checkout(ids + [5]) == (None, 0)
+    assert broken.closed and len(store) == 0
+
+
+@pytest.mark.parametrize("prefer", ["least-demoted", "most-recent"])
+def test_ties_prefer_the_least_demoted_then_most_recent(prefer):
+    store = make()
+    a, b = list(range(8)) + [1], list(range(8)) + [2]
+    store.put(a, ca := FakeCache(a, place="host" if prefer == "least-demoted" else "device"),
+              rung=1 if prefer == "least-demoted" else 0)
+    store.put(b, cb := FakeCache(b))
+    if prefer == "most-recent":
+        store.lookup(a)  # touches a
+    cache, n = store.checkout(list(range(8)) + [3])
+    assert n == 8 and cache.kv == list(range(8))
+    assert ca.kv == a and cb.kv == b  # forks: both entries stay intact
+    chosen = cb if prefer == "least-demoted" else ca  # b: rung 0 beats rung 1; a: touched last
+    assert chosen.forks == 1 and ca.forks + cb.forks == 1 and cache.place == "device"
+
+
+def test_a_branch_that_cannot_be_copied_keeps_the_entry():
+    store = make()
+    ids = list(range(12))
+    store.put(ids, entry := FakeCache(ids))
+    entry.fork = lambda: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    assert store.checkout(ids[:8] + [99, 98]) == (None, 0)
+    assert len(store) == 1 and not entry.closed  # still there for its own next turn
+    cache, n = store.checkout(ids + [1])
+    assert cache is entry and n == 12

@@ -1,0 +1,232 @@
+"""``save(cache, path, token_ids)`` / ``load(cls, path, model, model_type)``: a cache on disk.
+
+One file, in the safetensors format (readable by any safetensors tool), written as held:
+packed codes and scales of quantized blocks (never dequantized), residual windows, sliding
+windows, static buffers (the held tokens), disk-tier contents. Its ``__metadata__`` holds one
+entry, ``tiercache``, a JSON header:
+    format ("tiercache-cache"), format_version (1), tiercache_version, policy (the resolved
+    policy as a dict), model (a fingerprint: model_type, layer kinds, KV shape per layer, dtype,
+    window, KV sharing), seen (tokens seen), token_ids (or null), layers (per layer: its
+    state's plain values and the names of its tensors), sha256 (per tensor, of its bytes).
+So a saved int4 cache takes about its ``nbytes()`` on disk (without the shared workspace).
+
+Safe: the file is written under a temporary name in the same directory, fsync-ed, then renamed
+over ``path`` (and the directory fsync-ed): a crash or kill during ``save`` leaves the previous
+save whole. ``load`` checks the format and version, the fingerprint against the model (naming
+the field that differs) and every tensor's sha256; any problem (missing, truncated, corrupted
+file, other model, unknown version) is a ``CacheError`` and no cache is returned (the one being
+built is closed). Nothing is unpickled: tensors are raw bytes, the rest is JSON.
+Tensors are written one at a time (two passes: hash, then write), so saving needs no second
+copy of the cache in memory; loading reads and loads one layer at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+import torch
+
+from tiercache.errors import CacheError, PolicyError
+from tiercache.policy import Policy
+
+FORMAT, VERSION = "tiercache-cache", 1
+_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+       torch.uint8: "U8", torch.int8: "I8", torch.int64: "I64", torch.float8_e4m3fn: "F8_E4M3",
+       torch.float8_e5m2: "F8_E5M2"}
+
+
+def fingerprint(model, model_type: str | None) -> dict:
+    """What a save must agree on with the model it is loaded for (from its ``ModelSpec``)."""
+    return {"model_type": model_type, "num_layers": model.num_layers, "layer_types": list(model.layer_types),
+            "kv_shapes": [list(model.kv_shape(i)) for i in range(model.num_layers)], "dtype": model.dtype,
+            "sliding_window": model.sliding_window,
+            "kv_sharing": None if model.kv_sharing_modes is None else list(model.kv_sharing_modes)}
+
+
+def save(cache, path, token_ids=None) -> None:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise CacheError(f"save: {path!r} is a directory; give a file path (e.g. cache.safetensors)")
+    ids = _token_ids(token_ids)
+    tensors, layers = {}, []
+    for i, layer in enumerate(cache.layers):
+        state, names = {}, []
+        for key, value in layer.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                if value.dtype not in _ST:
+                    raise CacheError(f"save: layer {i} holds {key} as {value.dtype}, which has no safetensors type")
+                tensors[f"layers.{i}.{key}"] = value
+                names.append(key)
+            else:
+                state[key] = value
+        layers.append({"state": state, "tensors": names})
+    from tiercache import __version__
+
+    header = {"format": FORMAT, "format_version": VERSION, "tiercache_version": __version__,
+              "policy": cache.policy.to_dict(), "model": fingerprint(cache.model, cache.model_type),
+              "seen": cache.get_seq_length(), "token_ids": ids, "layers": layers,
+              "sha256": {name: _sha256(t) for name, t in tensors.items()}}
+    _write_atomic(path, tensors, json.dumps(header))
+
+
+def load(cls, path, model, model_type: str | None, device=None):
+    """``device``: the compute device to load onto (default: the one it was saved from)."""
+    path = os.fspath(path)
+    if device is not None:
+        try:
+            device = str(torch.device(device))
+        except (RuntimeError, TypeError) as e:
+            raise CacheError(f"load: device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from e
+    if not os.path.isfile(path):
+        raise CacheError(f"load: no saved cache at {path!r}" + (" (a directory)" if os.path.isdir(path) else ""))
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            header = _header(f.metadata(), path)
+            _check_model(header["model"], fingerprint(model, model_type), path)
+            try:
+                policy = Policy.from_dict(header["policy"])
+            except PolicyError as e:
+                raise CacheError(f"load: {path!r}: the saved policy is invalid: {e}") from e
+            cache = cls._build(policy, model, model_type)
+            try:
+                _load_layers(cache, f, header, path, device)
+            except BaseException:
+                cache.close()
+                raise
+    except CacheError:
+        raise
+    except Exception as e:  # safetensors: truncated or malformed file
+        raise CacheError(f"load: {path!r} is not a readable tiercache save (truncated or corrupted?): {e}") from e
+    cache.token_ids = header.get("token_ids")
+    return cache
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def _header(metadata, path: str) -> dict:
+    try:
+        header = json.loads((metadata or {})["tiercache"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CacheError(f"load: {path!r} has no tiercache header: not a cache saved by tiercache") from e
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise CacheError(f"load: {path!r} is not a tiercache cache save (format {header.get('format')!r})")
+    if header.get("format_version") != VERSION:
+        raise CacheError(f"load: {path!r} has format_version {header.get('format_version')!r}; this tiercache "
+                         f"reads version {VERSION} (saved by tiercache {header.get('tiercache_version')!r})")
+    for key in ("policy", "model", "layers", "sha256", "seen"):
+        if key not in header:
+            raise CacheError(f"load: {path!r}: the header lacks {key!r} (corrupted save)")
+    return header
+
+
+def _check_model(saved: dict, given: dict, path: str) -> None:
+    for key, want in given.items():
+        have = saved.get(key)
+        if key == "model_type" and (have is None or want is None):
+            continue  # a ModelSpec has no model_type: the shapes still decide
+        if have != want:
+            raise CacheError(f"load: {path!r} was saved for another model: {key} is {have!r} in the save, "
+                             f"{want!r} for this model")
+
+
+def _relocate(sd: dict, device: str | None, path: str) -> dict:
+    """Point a layer state's compute device at ``device`` (or check that the saved one exists)."""
+    for key, value in sd.items():
+        if key.endswith("spec") and isinstance(value, dict) and "device" in value:
+            value = sd[key] = {**value, "device": device or value["device"]}
+            where = value["device"]
+        elif (key == "device" or key.endswith(".device")) and isinstance(value, str):
+            where = sd[key] = device or value
+        else:
+            continue
+        if torch.device(where).type == "cuda" and not torch.cuda.is_available():
+            raise CacheError(f"load: {path!r} was saved on {where} and CUDA is not available here; "
+                             "pass device='cpu' (or another device) to load it there")
+    return sd
+
+
+def _load_layers(cache, f, header: dict, path: str, device: str | None) -> None:
+    layers, sums = header["layers"], header["sha256"]
+    if not isinstance(layers, list) or len(layers) != len(cache.layers):
+        raise CacheError(f"load: {path!r}: header has {len(layers) if isinstance(layers, list) else layers!r} "
+                         f"layers, the model {len(cache.layers)} (corrupted save)")
+    for i, (layer, entry) in enumerate(zip(cache.layers, layers)):
+        sd = _relocate(dict(entry["state"]), device, path)
+        for key in entry["tensors"]:
+            name = f"layers.{i}.{key}"
+            t = f.get_tensor(name)
+            if _sha256(t) != sums.get(name):
+                raise CacheError(f"load: {path!r}: tensor {name} fails its sha256 check (corrupted save)")
+            sd[key] = t
+        try:
+            layer.load_state_dict(sd)
+        except CacheError as e:
+            raise CacheError(f"load: {path!r}: layer {i}: {e}") from e
+    if cache.get_seq_length() != header["seen"]:
+        raise CacheError(f"load: {path!r}: layers hold {cache.get_seq_length()} tokens, the header says "
+                         f"{header['seen']} (corrupted save)")
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def _token_ids(token_ids):
+    if token_ids is None:
+        return None
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.tolist()
+    try:
+        out = json.loads(json.dumps(list(token_ids)))
+    except (TypeError, ValueError) as e:
+        raise CacheError(f"save: token_ids must be a list (or nested lists / a tensor) of ints, got {token_ids!r}") from e
+    flat = out if not out or not isinstance(out[0], list) else [x for row in out for x in row]
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in flat):
+        raise CacheError(f"save: token_ids must be ints, got {token_ids!r}")
+    return out
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(_bytes(t)).hexdigest()
+
+
+def _write_atomic(path: str, tensors: dict, header_json: str) -> None:
+    entries, at = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        entries[name] = {"dtype": _ST[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    head = json.dumps({"__metadata__": {"tiercache": header_json}, **entries}).encode()
+    head += b" " * (-len(head) % 8)
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise CacheError(f"save: cannot write in {directory!r}: {e.strerror or e}") from e
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(len(head).to_bytes(8, "little"))
+            out.write(head)
+            for t in tensors.values():
+                out.write(_bytes(t))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise CacheError(f"save: writing {path!r} failed: {e.strerror or e} (the previous save, if any, "
+                             "is untouched)") from e
+        raise

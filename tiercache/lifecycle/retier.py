@@ -1,0 +1,95 @@
+"""``retier(cache, policy)``: move a live cache to another policy, in place, layer by layer.
+
+No new prefill: each layer's state moves from its old chain to a chain the chain builder makes
+for the new policy, then the old chain is closed before the next layer moves, so the extra
+memory at any moment is about one layer (its export at full precision and its new state),
+never a second whole cache.
+
+How a layer moves
+- Both quantized with the same block format (``QuantizePolicy`` equal: backend, bits, group,
+  residual, axes), e.g. int4 resident -> int4 on the host: ``new.adopt(old)``, the packed blocks
+  move as they are (never re-quantized) and the residual is copied.
+- Otherwise ``new.ingest(*old.export())``: lossless moves (device, host, disk; full, static,
+  sliding) are bit-exact; into quantization the state is what a cache of the new policy fed the
+  same tokens holds (KIVI residual rule), so the next logits are identical to such a cache's;
+  out of quantization (or between two block formats) the values are the dequantized ones:
+  tokens that were quantized stay as attention saw them, they are not restored.
+- The recording flag (assisted decoding) is carried over.
+
+Refused before any layer moves (``CacheError``, the cache unchanged): a policy that does not
+fit the model (overrides out of range ...), a static ``max_length`` below the tokens a layer
+holds, an ``auto`` policy with no rung that fits. A failure while moving (a full disk) moves the
+layers already moved back to their old chains (bit-exact for lossless moves; a layer that was
+quantized on the way keeps the dequantized values) and raises ``CacheError``.
+"""
+
+from __future__ import annotations
+
+from tiercache.chain import Shared, build_layer, build_layers, compileable
+from tiercache.errors import CacheError, PolicyError
+from tiercache.policy import load_policy
+
+
+def retier(cache, policy) -> None:
+    try:
+        policy = load_policy(policy)
+        if policy.auto:
+            from tiercache.planner import choose
+
+            batch = max(cache.batch_size, 1)
+            policy = choose(policy, cache.model, batch, max(cache.get_seq_length(), 1))
+        targets = policy.resolve(cache.model)
+    except PolicyError as e:
+        raise CacheError(f"retier: {e}") from e
+    for i, (layer, lp) in enumerate(zip(cache.layers, targets)):
+        seen = layer.seq_length()
+        if lp.storage == "static" and lp.max_length is not None and lp.max_length < seen:
+            raise CacheError(f"retier: layer {i} holds {seen} tokens; the new policy's static max_length is "
+                             f"{lp.max_length}; raise max_length or use storage: full (nothing moved)")
+    before = [layer.policy for layer in cache.layers]
+    new_layers, shared = build_layers(targets)
+    old_shared, moved = cache._shared, []
+    for layer in cache.layers:  # device mirrors and the old workspace are not read while moving
+        layer.evict()
+    if old_shared is not None:  # (made again on use, also after a roll-back)
+        old_shared.close()
+    try:
+        for i, new in enumerate(new_layers):
+            _move(cache.layers[i], new, f"retier: layer {i}")
+            cache.layers[i].close()
+            cache.layers[i] = new
+            moved.append(i)
+    except BaseException:
+        _roll_back(cache, moved, before, old_shared)
+        shared.close()
+        for new in new_layers[len(moved):]:
+            new.close()
+        raise
+    cache._shared = shared
+    cache.policy = policy
+
+
+def _move(old, new, where: str) -> None:
+    """Move ``old``'s state into the empty chain ``new`` (a function: its temporaries die here)."""
+    try:
+        if new.can_adopt(old):  # the same block format: packed blocks move as they are
+            new.adopt(old)
+        else:
+            held = old.export()
+            if held is not None:
+                new.ingest(*held)
+        if old.record_past:
+            new.set_recording(True)
+    except CacheError as e:
+        new.close()
+        raise CacheError(f"{where}: {e}") from e
+
+
+def _roll_back(cache, moved: list[int], before: list, old_shared) -> None:
+    """Move layers ``moved`` back to chains of their old layer policies ``before`` (old shared buffers)."""
+    padded = bool(before) and all(compileable(lp) for lp in before)
+    for i in moved:
+        back = build_layer(before[i], old_shared if old_shared is not None else Shared(), padded)
+        _move(cache.layers[i], back, f"retier roll-back: layer {i}")
+        cache.layers[i].close()
+        cache.layers[i] = back

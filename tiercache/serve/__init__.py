@@ -1,0 +1,20 @@
+"""``tiercache serve``: an OpenAI-compatible server that keeps each conversation's KV cache.
+
+Modules, from the face down (imports flow that way):
+- ``app``       FastAPI routes, body checks, SSE streaming, OpenAI-style errors (the only fastapi user)
+- ``protocol``  request fields -> a validated ``Request`` (types, ranges, unsupported fields)
+- ``worker``    one thread owns the model and runs every forward pass (a bounded queue)
+- ``sequence``  one request's generation: prefill from the store, decode, stop, hand back
+- ``chat``      messages -> prompt text (the tokenizer's chat template, else a plain fallback)
+- ``text``      incremental detokenization with stop strings held back
+- ``store``     the prefix store: longest stored prefix, budgets per tier, LRU, demotion, eviction
+- ``radix``     the trie over token blocks the store looks prefixes up in
+- ``config``    ``store.yaml``: budgets and the demotion ladder
+- ``persist``   entries saved on shutdown and loaded (checked) on start
+- ``metrics``   Prometheus text for ``/metrics``
+- ``errors``    ``APIError``: status, message, type, param, code
+- ``server``    flags -> model, store, worker, app; uvicorn (``tiercache serve``)
+- ``launch``    ``LiveServer``: a server subprocess on loopback (tests, ``bench/bench_serve.py``)
+
+Only this package imports fastapi / uvicorn / prometheus_client (``pip install tiercache[serve]``).
+"""

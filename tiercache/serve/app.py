@@ -1,0 +1,228 @@
+"""The HTTP face: ``create_app(worker, metrics=None, on_shutdown=None, max_body=...) -> FastAPI``.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (each with ``stream: true``:
+server-sent events in OpenAI's chunk format, ending ``data: [DONE]``), ``GET /v1/models``,
+``GET /health``, ``GET /metrics``.
+
+Every refusal is OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for a
+malformed body (not UTF-8, not JSON, NaN/Infinity, not an object) and bad fields (``protocol``),
+404 for an unknown model or route, 405 for a wrong method, 413 for a body over ``max_body``
+bytes, 429 (``Retry-After``) when the worker's queue is full, 500 when generation fails, 504 on
+the request timeout. Checks run before the request reaches the worker, so a bad request never
+touches a stored cache. An error after a stream has started is sent as one ``data: {"error":
+...}`` event before ``[DONE]``.
+
+A client that disconnects cancels its job: the worker stops at its next token and keeps, in the
+store, the prompt and the tokens generated so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tiercache.serve.errors import APIError
+from tiercache.serve.protocol import parse_chat, parse_completion
+
+MAX_BODY = 8 * 2**20
+
+
+class _Pipe:
+    """Worker-thread events -> an asyncio queue on the server's loop."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def emit(self, kind: str, **data) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, data))
+
+
+def _no_constants(name):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, limit: int):
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise APIError(413, f"the request body has {size} bytes; the limit is {limit}", code="body_too_large")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise APIError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    try:
+        text = b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})",
+                       code="invalid_encoding") from None
+    try:
+        return json.loads(text, parse_constant=_no_constants)
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(worker.stop)
+            if on_shutdown is not None:
+                await asyncio.to_thread(on_shutdown)
+
+    app = FastAPI(title="tiercache serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, err: APIError):
+        return _error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=kind))
+
+    @app.exception_handler(Exception)
+    async def _crash(request, exc):
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": worker.model_name, "queue_length": worker.queue_length,
+                "active_requests": worker.active, "store": worker.store is not None}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": worker.model_name, "object": "model", "created": created,
+                                            "owned_by": "tiercache"}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        if metrics is None:
+            raise APIError(404, "metrics are not enabled", code="not_found")
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _serve(request, parse_chat(await read_json(request, max_body)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, parse_completion(await read_json(request, max_body)))
+
+    async def _serve(request: Request, req):
+        pipe = _Pipe()
+        job = worker.prepare(req, pipe.emit)
+        worker.submit(job)
+        rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        shape = _Shape(req, rid, worker.model_name)
+        if req.stream:
+            return StreamingResponse(_stream(pipe, job, shape), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _collect(request, pipe, job, shape)
+
+    return app
+
+
+async def _collect(request: Request, pipe: _Pipe, job, shape) -> JSONResponse:
+    parts, finished = [], False
+    try:
+        while True:
+            try:
+                kind, data = await asyncio.wait_for(pipe.queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    return Response(status_code=499)
+                continue
+            if kind == "delta":
+                parts.append(data["text"])
+            elif kind == "error":
+                finished = True
+                return _error_response(data["error"])
+            else:
+                finished = True
+                return JSONResponse(shape.full("".join(parts), data["finish_reason"], data["usage"]))
+    finally:
+        if not finished:
+            job.cancel()
+
+
+async def _stream(pipe: _Pipe, job, shape):
+    finished = False
+    try:
+        if shape.req.kind == "chat":
+            yield shape.sse(shape.chunk({"role": "assistant", "content": ""}))
+        while True:
+            kind, data = await pipe.queue.get()
+            if kind == "delta":
+                yield shape.sse(shape.chunk(data["text"] if shape.req.kind != "chat" else {"content": data["text"]}))
+            elif kind == "error":
+                finished = True
+                yield shape.sse(data["error"].body())
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                finished = True
+                empty = {} if shape.req.kind == "chat" else ""
+                yield shape.sse(shape.chunk(empty, data["finish_reason"]))
+                if shape.req.include_usage:
+                    yield shape.sse(shape.usage_chunk(data["usage"]))
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        if not finished:
+            job.cancel()
+
+
+class _Shape:
+    """OpenAI response objects for one request."""
+
+    def __init__(self, req, rid: str, model: str):
+        self.req, self.rid, self.model, self.created = req, rid, model, int(time.time())
+        chat = req.kind == "chat"
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
+        if self.req.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                      "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        return {**self._head(self.object), "choices": [choice], "usage": usage}
+
+    def chunk(self, delta, finish_reason=None) -> dict:
+        key = "delta" if self.req.kind == "chat" else "text"
+        out = {**self._head(self.chunk_object),
+               "choices": [{"index": 0, key: delta, "finish_reason": finish_reason, "logprobs": None}]}
+        if self.req.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage}
+
+    @staticmethod
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,109 @@
+"""``store.yaml``: the prefix store's memory budget per tier and its demotion ladder.
+
+    budget:                 # bytes each tier may hold for stored conversations (null: no limit)
+      device: 256MiB        # the compute device (on a CPU-only server: RAM all the same)
+      host: 2GiB            # CPU memory of offloaded caches (``TieredCache.tier_nbytes``)
+      disk: 8GiB
+    ladder:                 # where a least-recently-used entry goes when its tier is full, in order;
+      - offload-cpu.yaml    # each a policy file (relative to this file, else to the working
+      - {name: disk, offload: {device: disk}}   # directory) or an inline policy mapping
+    block_size: 16          # tokens per radix block (the lookup granularity)
+    min_match: 16           # shorter shared prefixes are not worth a fork: prefill from scratch
+
+``load_store_config(source) -> StoreConfig``: ``source`` is a path, a mapping or ``None`` (the
+defaults below). Bad input raises ``PolicyError`` naming ``store.<field>`` and what is allowed.
+Rung 0 of the ladder is always the serving policy (``--policy``); ``ladder`` lists the rungs
+below it. An entry past the last rung is evicted. Lossless rungs (offload to host / disk) keep
+answers identical; lossy ones (quantization) trade exactness of demoted conversations for room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tiercache.errors import PolicyError
+from tiercache.footprint import TIERS
+from tiercache.policy import Policy, load_policy, parse_size
+
+DEFAULT = {"budget": {"device": "1GiB", "host": "4GiB", "disk": None},
+           "ladder": [{"name": "host", "offload": {"device": "cpu"}}]}
+_FIELDS = ("budget", "ladder", "block_size", "min_match")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    budget: dict  # tier -> bytes or None (no limit)
+    ladder: tuple[Policy, ...]  # the rungs below the serving policy
+    block_size: int = 16
+    min_match: int = 16
+
+
+def load_store_config(source=None) -> StoreConfig:
+    base = Path.cwd()
+    if source is None:
+        data = DEFAULT
+    elif isinstance(source, dict):
+        data = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise PolicyError(f"store config {str(path)!r}: no such file")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise PolicyError(f"store config {str(path)!r} is not readable YAML: {e}") from None
+        base = path.resolve().parent
+    if not isinstance(data, dict):
+        raise PolicyError(f"store: expected a mapping with {', '.join(_FIELDS)}, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise PolicyError(f"store: unknown field(s) {unknown}; allowed: {', '.join(_FIELDS)}")
+    return StoreConfig(budget=_budget(data.get("budget", DEFAULT["budget"])),
+                       ladder=tuple(_rung(r, i, base) for i, r in enumerate(_list(data.get("ladder", []) or []))),
+                       block_size=_positive(data.get("block_size", 16), "store.block_size"),
+                       min_match=_positive(data.get("min_match", 16), "store.min_match"))
+
+
+def _budget(value) -> dict:
+    if value is None:
+        return dict.fromkeys(TIERS)
+    if not isinstance(value, dict):
+        raise PolicyError(f"store.budget: expected a mapping of tiers ({', '.join(TIERS)}) to sizes, got {value!r}")
+    unknown = sorted(set(value) - set(TIERS))
+    if unknown:
+        raise PolicyError(f"store.budget: unknown tier(s) {unknown}; allowed: {', '.join(TIERS)}")
+    return {t: None if value.get(t) is None else int(parse_size(value[t], f"store.budget.{t}")) for t in TIERS}
+
+
+def _list(value) -> list:
+    if not isinstance(value, list):
+        raise PolicyError(f"store.ladder: expected a list of policies (files or mappings), got {value!r}")
+    return value
+
+
+def _rung(value, i: int, base: Path) -> Policy:
+    where = f"store.ladder[{i}]"
+    if isinstance(value, str):
+        path = Path(value)
+        path = path if path.is_absolute() or not (base / path).is_file() else base / path
+        if not path.is_file():
+            raise PolicyError(f"{where}: policy file {value!r} not found (relative to {base} or the working directory)")
+        value = path
+    elif not isinstance(value, dict):
+        raise PolicyError(f"{where}: expected a policy file or mapping, got {value!r}")
+    try:
+        policy = load_policy(value)
+    except PolicyError as e:
+        raise PolicyError(f"{where}: {e}") from None
+    if policy.auto:
+        raise PolicyError(f"{where}: auto policies cannot be ladder rungs (a rung must be one concrete form)")
+    return policy
+
+
+def _positive(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PolicyError(f"{where}: expected a whole number >= 1, got {value!r}")
+    return value

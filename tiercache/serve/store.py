@@ -1,0 +1,237 @@
+"""The prefix store: finished conversations' caches, keyed by token ids, under a budget per tier.
+
+Interface (the store knows caches and token ids, never a model)
+    store = PrefixStore(ladder, budget, tier_bytes, block_size=16, min_match=16)
+        ladder      policies, rung 0 first: rung 0 is the serving policy; an entry over budget
+                    moves one rung down (``cache.retier(ladder[r + 1])``); past the last, evicted
+        budget      {"device" | "host" | "disk": bytes or None}
+        tier_bytes  cache -> {tier: bytes} (the server passes ``cache.tier_nbytes()``)
+    store.lookup(ids) -> int                  tokens a checkout would reuse; marks that entry used
+    store.checkout(ids) -> (cache | None, n)  a cache holding exactly ``ids[:n]`` at rung 0, with
+                                              ``n <= len(ids) - 1`` (one token is left to prefill)
+    store.put(ids, cache) -> bool             hand a finished cache back; ``cache.get_seq_length()``
+                                              must equal ``len(ids)``, else it is closed, not stored
+    store.reserve(need) / store.release(need) bytes per tier an active request may grow to;
+                                              ``reserve`` makes room, False when it cannot
+    store.stats() -> dict; store.entries() -> [(ids, cache, rung)]
+    store.put(ids, cache, rung, oldest=True)   (a cache loaded from disk: first in line to go)
+    store.close()
+
+What it asks of a cache: ``fork()`` (an independent copy), ``crop(n)`` (transformers' convention,
+negative removes ``-n`` tokens), ``retier(policy)`` (in place), ``nbytes()``, ``get_seq_length()``
+and ``close()``.
+
+Checkout: the entry sharing the longest prefix with ``ids`` (the least demoted, then the most
+recently used, when several do). When the request extends the whole entry (the next turn of a
+conversation) the entry is *taken* out of the store, no copy; otherwise (an edited message, a
+branch) it is forked and the fork cropped to the shared prefix, and the entry stays. A shared
+prefix shorter than ``min_match`` tokens is not worth the copy: a miss. A demoted cache is
+retiered back to rung 0 before use. If that fails, the request prefills from scratch: a failed
+copy leaves the entry as it was, a taken entry that cannot be brought back is dropped (logged).
+
+Put: entries whose ids are a prefix of the new ids are superseded and dropped (the new entry
+serves all they could). Then the budget is enforced: while a tier holds more than its budget
+(entries plus reservations), the least-recently-used entry holding bytes on that tier is
+demoted one rung, or evicted past the last rung. A failing ``retier`` evicts the entry (logged).
+All methods hold one lock; the worker thread calls them, the HTTP side only reads ``stats``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tiercache.footprint import TIERS
+from tiercache.serve.radix import BlockTrie
+
+log = logging.getLogger("tiercache.serve")
+
+
+@dataclass(eq=False)
+class Entry:
+    ids: tuple
+    cache: object
+    rung: int
+    bytes: dict = field(default_factory=dict)
+    tick: int = 0  # when last used
+
+    @property
+    def tier(self) -> str:
+        """The tier holding most of its bytes (``device`` when it holds none)."""
+        return max(TIERS, key=lambda t: (self.bytes.get(t, 0), -TIERS.index(t)))
+
+
+class PrefixStore:
+    def __init__(self, ladder, budget: dict, tier_bytes, block_size: int = 16, min_match: int = 16):
+        if not ladder:
+            raise ValueError("the ladder needs at least rung 0 (the serving policy)")
+        self.ladder = list(ladder)
+        self.budget = {t: budget.get(t) for t in TIERS}
+        self.tier_bytes = tier_bytes
+        self.min_match = min_match
+        self._trie = BlockTrie(block_size)
+        self._lru: OrderedDict[Entry, None] = OrderedDict()  # oldest first
+        self._reserved = dict.fromkeys(TIERS, 0)
+        self._lock = threading.RLock()
+        self._clock = itertools.count(1)
+        self.counters = dict.fromkeys(("hits", "misses", "cached_tokens", "demotions", "evictions",
+                                       "superseded", "rejected"), 0)
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def _best(self, ids) -> tuple[Entry | None, int]:
+        keys, n = self._trie.longest(ids)
+        use = min(n, len(ids) - 1)
+        if not keys or use < self.min_match:
+            return None, 0
+        return max(keys, key=lambda e: (-e.rung, e.tick)), use
+
+    def _touch(self, entry: Entry) -> None:
+        entry.tick = next(self._clock)
+        self._lru.move_to_end(entry)
+
+    def lookup(self, ids) -> int:
+        with self._lock:
+            entry, use = self._best(ids)
+            if entry is not None:
+                self._touch(entry)
+            return use
+
+    def checkout(self, ids):
+        with self._lock:
+            entry, use = self._best(ids)
+            if entry is None:
+                return self._miss()
+            taken = use == len(entry.ids)  # the request extends the whole entry: take it, no copy
+            if taken:
+                self._remove(entry)
+            else:  # a branch: copy and crop, the entry stays
+                self._touch(entry)
+            cache = entry.cache if taken else None
+            try:
+                if not taken:
+                    cache = entry.cache.fork()
+                    cache.crop(use)
+                if entry.rung != 0:
+                    cache.retier(self.ladder[0])
+            except Exception as e:  # noqa: BLE001 - never serve a doubtful cache
+                log.error("store: a stored entry of %d tokens could not be checked out (%s); %s", len(entry.ids), e,
+                          "dropped" if taken else "prefilling instead")
+                if cache is not None:
+                    cache.close()
+                return self._miss()
+            if cache.get_seq_length() != use:
+                log.error("store: a checked-out cache holds %d tokens, %d expected; not used",
+                          cache.get_seq_length(), use)
+                cache.close()
+                return self._miss()
+            self.counters["hits"] += 1
+            self.counters["cached_tokens"] += use
+            return cache, use
+
+    def _miss(self):
+        self.counters["misses"] += 1
+        return None, 0
+
+    # -- hand back -------------------------------------------------------------------------------
+    def put(self, ids, cache, rung: int = 0, oldest: bool = False) -> bool:
+        ids = tuple(int(i) for i in ids)
+        with self._lock:
+            if cache.get_seq_length() != len(ids) or not ids:
+                log.error("store: refusing a cache of %d tokens recorded with %d token ids",
+                          cache.get_seq_length(), len(ids))
+                self.counters["rejected"] += 1
+                cache.close()
+                return False
+            for old in self._trie.prefixes_of(ids):
+                self._remove(old)
+                if old.cache is not cache:
+                    old.cache.close()
+                self.counters["superseded"] += 1
+            entry = Entry(ids, cache, rung, self.tier_bytes(cache), 0 if oldest else next(self._clock))
+            self._trie.insert(ids, entry)
+            self._lru[entry] = None
+            if oldest:
+                self._lru.move_to_end(entry, last=False)
+            self._enforce()
+            return entry in self._lru
+
+    # -- budget ----------------------------------------------------------------------------------
+    def reserve(self, need: dict) -> bool:
+        with self._lock:
+            for t in TIERS:
+                self._reserved[t] += need.get(t, 0)
+            if self._enforce():
+                return True
+            self.release(need)
+            return False
+
+    def release(self, need: dict) -> None:
+        with self._lock:
+            for t in TIERS:
+                self._reserved[t] = max(0, self._reserved[t] - need.get(t, 0))
+
+    def _totals(self) -> dict:
+        totals = dict(self._reserved)
+        for e in self._lru:
+            for t in TIERS:
+                totals[t] += e.bytes.get(t, 0)
+        return totals
+
+    def _enforce(self) -> bool:
+        """Demote / evict LRU entries until every tier fits; False if reservations alone do not."""
+        while True:
+            totals = self._totals()
+            over = [t for t in TIERS if self.budget[t] is not None and totals[t] > self.budget[t]]
+            if not over:
+                return True
+            victim = next((e for e in self._lru if any(e.bytes.get(t, 0) > 0 for t in over)), None)
+            if victim is None:
+                return False
+            self._demote(victim)
+
+    def _demote(self, entry: Entry) -> None:
+        if entry.rung + 1 < len(self.ladder):
+            try:
+                entry.cache.retier(self.ladder[entry.rung + 1])
+                entry.rung += 1
+                entry.bytes = self.tier_bytes(entry.cache)
+                self.counters["demotions"] += 1
+                return
+            except Exception as e:  # noqa: BLE001 - cannot demote: evict instead
+                log.error("store: demoting an entry of %d tokens to rung %d failed (%s); evicting it",
+                          len(entry.ids), entry.rung + 1, e)
+        self._remove(entry)
+        entry.cache.close()
+        self.counters["evictions"] += 1
+
+    def _remove(self, entry: Entry) -> None:
+        self._trie.remove(entry.ids, entry)
+        self._lru.pop(entry, None)
+
+    # -- reporting -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._lock:
+            entries = dict.fromkeys(TIERS, 0)
+            stored = dict.fromkeys(TIERS, 0)
+            for e in self._lru:
+                entries[e.tier] += 1
+                for t in TIERS:
+                    stored[t] += e.bytes.get(t, 0)
+            return {"entries": entries, "bytes": stored, "reserved": dict(self._reserved),
+                    "budget": dict(self.budget), **self.counters}
+
+    def entries(self) -> list:
+        with self._lock:
+            return [(e.ids, e.cache, e.rung) for e in self._lru]
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def close(self) -> None:
+        with self._lock:
+            for e in list(self._lru):
+                self._remove(e)
+                e.cache.close()
