@@ -3,6 +3,7 @@
 Interface (used by ``Quantize``)
     guard.check(key, value, seen, describe)   before an update changes anything
     guard.surface()                           raise for a flag that has landed (each use calls it)
+    guard.settle()                            wait for every flag, then ``surface()`` (lifecycle)
     guard.crop_to(seen), guard.reset()        follow the layer's crops and resets
     guard.pending()                           flags not yet read (tests)
 
@@ -16,6 +17,11 @@ One NaN would poison the scale of a whole quantization group, so the layer refus
   (``update`` / ``kv``). Then the layer raises ``CacheError`` naming the positions of the
   earlier update and stays refused ("poisoned") until it is reset or cropped back to before
   them: that update had already been stored, and only dropping it makes the layer right again.
+
+Lifecycle. The guard's state is not saved: ``state_dict`` / ``export`` / ``adopt`` (so fork,
+retier and save) first ``settle()`` the guard (a wait for the flags still in flight, then the
+same ``CacheError`` the next use would raise), so a poisoned layer is never saved, forked or
+moved silently; a loaded, ingested or adopting layer starts with a clean guard.
 """
 
 from __future__ import annotations
@@ -63,6 +69,11 @@ class FiniteGuard:
         if self.bad_at is not None:
             raise CacheError(f"this quantized layer holds non-finite values from position {self.bad_at}; "
                              f"reset() it or crop() it back to {self.bad_at} tokens")
+
+    def settle(self) -> None:
+        for _, _, _, done in self.flags:
+            done.synchronize()
+        self.surface()
 
     def crop_to(self, seen: int) -> None:
         self.flags = [f for f in self.flags if f[0] < seen]

@@ -37,7 +37,7 @@ tokens are copied into a pinned staging pair on the prefetcher's side stream (af
 the compute stream; ``record_stream`` keeps their device memory alive), with an event; the
 update returns at once, no host sync. The staged tokens join the host layer when the event has
 landed, at the layer's next use at the latest (``update``, ``kv``, a fetch of its mirror, any
-host-side operation, ``nbytes``): ``_settle`` reads the event with ``query()`` and only blocks
+host-side or lifecycle operation, ``nbytes``): ``_settle`` reads the event with ``query()`` and only blocks
 (counted in ``Prefetcher.host_waits``) when the copy is still in flight. A fetch after that reads
 the whole host copy on the same side stream, so it is ordered after the write-back.
 ``seq_length`` and ``mask_sizes`` count the staged tokens. An error from the host tier (a CUDA
@@ -122,7 +122,7 @@ class Offload(KVLayer):
             raise CacheError(f"device: the layer computes on {self.device}, the update is on {key.device}")
         t = key.shape[2]
         self._settle()  # earlier write-backs join the host layer first (they may regrow it)
-        defer = self.deferred and key.is_cuda
+        defer = self._defers(key)
         host_k, host_v = self._staging(key, value) if defer else self._to_host(key, value)  # [B, H, T, D] on the CPU
         self.inner.validate_update(host_k, host_v)  # shape, dtype, batch, room: before the mirror changes
         self.device = key.device
@@ -203,13 +203,18 @@ class Offload(KVLayer):
         return self.inner.nbytes()  # the device mirror is the prefetcher's (see module docstring)
 
     def tier_nbytes(self) -> dict[str, int]:
+        self._settle()
         return self.inner.tier_nbytes()
 
     def batch_size(self) -> int | None:
         return self.inner.batch_size()
 
     # -- lifecycle: the host copy is the state; the mirror is never part of it ------------------
+    # Each method settles pending write-backs first: the host copy must hold every token before
+    # it is read (state_dict, export: fork, save, retier) and before it is replaced
+    # (load_state_dict, ingest), else a staged pair would join the new state at the next use.
     def state_dict(self) -> dict:
+        self._settle()
         return {"kind": "offload", "device": None if self.device is None else str(self.device),
                 **nest("inner.", self.inner.state_dict())}
 
@@ -218,6 +223,7 @@ class Offload(KVLayer):
         device = sd.get("device")
         if device is not None and not isinstance(device, str):
             raise CacheError(f"state of an offload layer: device should be a string or None, got {device!r}")
+        self._settle()
         self.prefetcher.evict(self)
         self.device = None
         self.inner.load_state_dict(part(sd, "inner."))
@@ -225,6 +231,7 @@ class Offload(KVLayer):
 
     def export(self):
         """The host copy, on the compute device (a copy there when that is not the CPU)."""
+        self._settle()
         held = self.inner.export()
         if held is None or self.device is None or held[0].device == self.device:
             return held
@@ -233,12 +240,14 @@ class Offload(KVLayer):
 
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
         check_pair(key, value)
+        self._settle()
         self.prefetcher.evict(self)
         host_k, host_v = self._to_host(key, value) if key.shape[2] else (key.cpu(), value.cpu())
         self.inner.ingest(host_k, host_v, seen)
         self.device = key.device
 
     def evict(self) -> None:
+        self._settle()
         self.prefetcher.evict(self)
         self.k = self.v = None  # the slot's memory is no longer held through this layer
         self.lo = self.held = 0
@@ -302,6 +311,10 @@ class Offload(KVLayer):
         done.record(torch.cuda.current_stream(key.device))
         done.synchronize()
         return out
+
+    def _defers(self, key: torch.Tensor) -> bool:
+        """Whether this update's write-back is staged (CUDA, full storage in host memory)."""
+        return self.deferred and key.is_cuda
 
     def _staging(self, key: torch.Tensor, value: torch.Tensor):
         """Pinned host tensors shaped like ``key`` / ``value``, for their write-back."""

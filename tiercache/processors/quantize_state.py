@@ -1,5 +1,7 @@
 """The lifecycle half of ``Quantize``: its state dict, export, ingest and adopt.
 
+    (state_dict, export and adopt first settle the FiniteGuard: a poisoned layer raises its
+    pending CacheError and is never saved, forked or moved)
     state_dict(q)            kind, config (the block format), window / max_length, spec, seen,
                              stored, ``residual.keys`` / ``residual.values`` and ``store.*`` (the
                              packed blocks as held: codes and scales, never dequantized)
@@ -34,6 +36,7 @@ from tiercache.layers.state import check_ingest, expect, field, nest, part, spec
 
 
 def state_dict(q) -> dict:
+    q.finite.settle()  # a poisoned layer is refused, never saved (processors/finite.py)
     return {"kind": "quantize", "config": dataclasses.asdict(q.config), "window": q.window,
             "max_length": q.limit, "spec": spec_state(q.spec), "seen": q.seen, "stored": q.stored,
             **nest("residual.", q.residual.state_dict()), **nest("store.", q.store.state_dict())}
@@ -62,6 +65,7 @@ def load_state_dict(q, sd: dict) -> None:
 def export(q, parts: int = 8):
     """Blocks decoded a few runs at a time (the decoder's temporaries stay a fraction of the
     layer), then the residual: fresh ``[B, H, S, D]`` tensors on the compute device."""
+    q.finite.settle()
     if q.spec is None:
         return None
     s, g = q.spec, q.g
@@ -115,6 +119,7 @@ def ingest(q, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
 def adopt(q, other) -> None:
     if other.config != q.config:
         raise CacheError(f"adopt: block formats differ ({other.config} vs {q.config}); use ingest(*export())")
+    other.finite.settle()  # the source's pending non-finite refusal surfaces; nothing changed yet
     if other.spec is None:
         q.reset()
         return
