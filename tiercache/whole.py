@@ -84,7 +84,9 @@ def whole(plan, arch, weights: str | None, chunk: int, device: str = "cuda", run
         add("weights", "device", 0, "unknown: the model config gives no hidden/MLP/vocab sizes")
     for tier in TIERS:
         if plan.bytes[tier]:
+            cross = getattr(plan, "encoder_length", None)
             add("kv cache", tier, plan.bytes[tier], f"{plan.policy.name} at {plan.context_length} tokens"
+                + (f" + cross-attention at {cross} encoder tokens" if cross else "")
                 + (", mirrors and workspace included" if tier == "device" and (plan.mirrors or plan.workspace) else ""))
     growth = _growth(plan)
     for tier, n in growth.items():
@@ -110,7 +112,7 @@ def whole(plan, arch, weights: str | None, chunk: int, device: str = "cuda", run
 def _growth(plan) -> dict[str, int]:
     """The largest single layer's bytes on each tier: the transient of one regrow."""
     out = dict.fromkeys(TIERS, 0)
-    for row in plan.layers:
+    for row in [*plan.layers, *getattr(plan, "cross_layers", [])]:
         for tier in ("device", "host"):
             out[tier] = max(out[tier], row.bytes.get(tier, 0))
         out["device"] = max(out["device"], row.mirror)  # an offload mirror regrows in its slot
