@@ -26,7 +26,7 @@ bench-core: $(STAMP)
 	$(PY) bench/bench_core.py
 
 serve: $(STAMP)
-	$(VENV)/bin/tiercache serve --model tiny --store configs/store.yaml
+	$(VENV)/bin/tiercache serve --model tiny --store configs/serve/store.yaml
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -1,7 +1,7 @@
 """Time to first token per turn of growing chats, against the live server, with and without the store.
 
     python bench/bench_serve.py [--model tiny] [--conversations 2] [--turns 32] [--history 4000]
-                                [--max-tokens 16] [--store configs/store.yaml] [--out out/bench_serve]
+                                [--max-tokens 16] [--store configs/serve/store.yaml] [--out out/bench_serve]
 
 Two servers run side by side (``tiercache serve`` with the store, and with ``--no-store``), each in
 its own process on 127.0.0.1, driven by the official ``openai`` client with streaming. Each of N

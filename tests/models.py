@@ -39,8 +39,18 @@ def _config(name: str):
     if name == "gpt_neox":
         kw = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
         return tf.GPTNeoXConfig(num_hidden_layers=2, **kw), tf.GPTNeoXForCausalLM
+    if name == "gemma3n":  # KV sharing: the last 2 layers reuse the K/V of the last sliding / full layer
+        cfg = tf.Gemma3nTextConfig(
+            num_hidden_layers=4, num_kv_shared_layers=2, head_dim=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
+            vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, altup_num_inputs=2, laurel_rank=4,
+            **{**COMMON, "hidden_size": 32, "intermediate_size": 64})
+        return cfg, tf.Gemma3nForCausalLM
     raise KeyError(name)
 
+
+# KV sharing (Gemma 3n): layers that read another layer's K/V and never write the cache.
+KV_SHARING_FAMILIES = ["gemma3n"]
 
 # Beyond the core families: other attention layouts (fused QKV, MoE, sliding + full, no GQA).
 MORE_FAMILIES = ["phi3", "mixtral", "cohere2", "gpt_neox"]

@@ -106,7 +106,12 @@ def test_crop_and_select_on_the_cache():
     for i, layer in enumerate(ours.layers):
         k, v = layer.kv()
         assert torch.equal(k, ref.layers[i].keys) and torch.equal(v, ref.layers[i].values)
-    ours.crop(2)  # positive: keep the first 2
+    with pytest.raises(ValueError, match="positive"):  # transformers 5.x refuses a positive crop too
+        ref.crop(2)
+    with pytest.raises(CacheError, match=r"crop\(2\): needs an int <= 0.*positive value is not supported"):
+        ours.crop(2)
+    assert ours.get_seq_length() == 4  # refused: unchanged
+    ours.crop(2 - ours.get_seq_length())  # keep the first 2
     assert ours.get_seq_length() == 2
     ours.reset()
     assert ours.get_seq_length() == 0 and ours.nbytes() == {}

@@ -92,7 +92,7 @@ def test_layer_idx_must_be_an_int(bad):
 def test_crop_needs_an_int(bad):
     cache = TieredCache.from_policy({}, CONFIG)
     cache.update(*kv(6), 0)
-    with pytest.raises(CacheError, match=r"crop\(max_length\) needs an int.*got"):
+    with pytest.raises(CacheError, match=r"crop\(.*\): needs an int <= 0"):
         cache.crop(bad)
     assert cache.get_seq_length(0) == 6
 

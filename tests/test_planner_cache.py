@@ -18,8 +18,8 @@ import tiercache
 from tiercache.model_spec import ModelSpec
 from tiercache.planner import plan
 
-# policies only: configs/store.yaml is the serve store's budget (tests/serve/test_config.py)
-CONFIGS = sorted(p for p in (Path(__file__).parent.parent / "configs").glob("*.yaml") if p.stem != "store")
+# the policies (serve store budgets live in configs/serve/, tested in tests/serve/test_config.py)
+CONFIGS = sorted(p for p in (Path(__file__).parent.parent / "configs").glob("*.yaml"))
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16)
 MODELS = {
     "llama": lambda: LlamaConfig(num_hidden_layers=4, **SHAPE),

@@ -7,9 +7,10 @@
 
 It needs no ``cache_position``: each layer counts the tokens it has seen. Every transformers
 cache method is answered by the chains (``tiercache.layers.base`` protocol), and errors from a
-layer are re-raised as ``CacheError`` naming the layer index. ``crop(x)`` keeps transformers'
-convention: ``x < 0`` removes ``-x`` tokens, ``x > 0`` keeps the first ``x``, ``0`` only lets
-sliding layers trim what they kept for a rollback.
+layer are re-raised as ``CacheError`` naming the layer index; ``layers[i].keys`` / ``.values``
+are what a layer holds (``KVLayer.keys``). ``crop`` follows transformers 5.x (see ``crop``); a
+crop a sliding layer cannot give exactly changes no layer. KV-sharing layers that reuse another
+layer's K/V are transformers' placeholders (``tiercache.placeholders``).
 
 Returned K/V may be views of internal buffers, valid until the next call on the cache (as with
 transformers' own caches, attention consumes them at once).
@@ -34,6 +35,7 @@ from tiercache.chain import build_layers
 from tiercache.errors import CacheError, PolicyError
 from tiercache.layers.base import KVLayer
 from tiercache.model_spec import ModelSpec
+from tiercache.placeholders import Placeholders
 from tiercache.policy import Policy, load_policy
 
 
@@ -46,6 +48,7 @@ class TieredCache(Cache):
         self.model_type = model_type  # the config's model_type (part of a save's model fingerprint)
         self.token_ids: list | None = None  # set by load() when the save had them
         self._shared = shared
+        self._reuse = Placeholders(model)  # KV sharing: transformers' DummyLayer rules for these
 
     @classmethod
     def _build(cls, policy: Policy, model: ModelSpec, model_type: str | None = None) -> "TieredCache":
@@ -113,6 +116,7 @@ class TieredCache(Cache):
     # -- the write path --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self._layer(layer_idx)
+        self._reuse.check_update(layer_idx)
         for name, t in (("key_states", key_states), ("value_states", value_states)):
             if isinstance(t, torch.Tensor) and not t.is_floating_point():
                 raise CacheError(f"layer {layer_idx}: {name} must be floating point, got {t.dtype}")
@@ -123,22 +127,23 @@ class TieredCache(Cache):
 
     # -- what transformers asks ------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._layer(layer_idx).seq_length() if self.layers else 0
+        return self._attention_layer(layer_idx, "get_seq_length").seq_length() if self.layers else 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.get_seq_length(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self._layer(layer_idx).mask_sizes(query_length)
+        return self._attention_layer(layer_idx, "get_mask_sizes").mask_sizes(query_length)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         if layer_idx is None:
-            return max(layer.max_length() for layer in self.layers)
-        return self._layer(layer_idx).max_length()
+            return max(self.get_max_length(i) for i in range(len(self.layers)))
+        layer = self._layer(layer_idx)
+        return -1 if layer_idx in self._reuse else layer.max_length()
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [layer.is_sliding for layer in self.layers]
+        return [layer.is_sliding and i not in self._reuse for i, layer in enumerate(self.layers)]
 
     @property
     def is_linear(self) -> list[bool]:
@@ -146,7 +151,8 @@ class TieredCache(Cache):
 
     @property
     def is_dummy(self) -> list[bool]:
-        return [False] * len(self.layers)
+        """True for the layers that reuse another layer's K/V (transformers' placeholder layers)."""
+        return [i in self._reuse for i in range(len(self.layers))]
 
     @property
     def is_compileable(self) -> bool:
@@ -158,10 +164,13 @@ class TieredCache(Cache):
 
     @property
     def is_initialized(self) -> bool:
-        return any(layer.batch_size() is not None for layer in self.layers)
+        """transformers' meaning: every layer that stores has had an update since it was built or reset."""
+        stores = self._reuse.stores(len(self.layers))
+        return bool(stores) and all(self.layers[i].is_initialized for i in stores)
 
     @property
     def batch_size(self) -> int:
+        """The batch held, -1 before any update (as StaticCache; DynamicCache always says -1)."""
         for layer in self.layers:
             batch = layer.batch_size()
             if batch is not None:
@@ -178,19 +187,19 @@ class TieredCache(Cache):
         """Offloaded layers write back only new tokens themselves (tiercache.processors.offload)."""
 
     # -- whole-cache operations ----------------------------------------------------------------
-    def crop(self, max_length: int) -> None:
-        """transformers' convention: negative removes that many tokens, positive keeps that many."""
-        if not isinstance(max_length, int) or isinstance(max_length, bool):
-            raise CacheError(
-                f"crop(max_length) needs an int (negative: remove that many tokens; positive: keep that many; "
-                f"0: trim sliding layers after a rollback), got {max_length!r}"
-            )
-        seen = self.get_seq_length()
-        remove = -max_length if max_length < 0 else max(seen - max_length, 0) if max_length > 0 else 0
-        # All or nothing: every layer validates first; sliding layers (the only ones that may
-        # still refuse, having dropped tokens) are cropped before the others.
-        self._each("validate_crop", remove)
-        self._each("crop", remove, order=sorted(range(len(self.layers)), key=lambda i: not self.layers[i].is_sliding))
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers 5.x: ``crop(-n)`` removes the last ``n`` tokens (every token when ``n`` is more
+        than held); ``crop(0)`` trims sliding layers after a rollback; a positive value is refused."""
+        x = tokens_to_remove
+        if not isinstance(x, int) or isinstance(x, bool) or x > 0:
+            raise CacheError(f"crop({x!r}): needs an int <= 0 (-n: remove the last n tokens; 0: trim sliding layers "
+                             "after a rollback); a positive value is not supported (transformers 5.x refuses it too): "
+                             "crop(x - cache.get_seq_length()) keeps the first x")
+        # All or nothing: every layer validates first; sliding layers (the only ones that may refuse)
+        # crop first; placeholders (KV sharing: reuse) ignore crop, as transformers' do.
+        order = sorted(self._reuse.stores(len(self.layers)), key=lambda i: not self.layers[i].is_sliding)
+        self._each("validate_crop", -x, order=order)
+        self._each("crop", -x, order=order)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._each("reorder", beam_idx)
@@ -208,10 +217,10 @@ class TieredCache(Cache):
             self._shared.close()  # re-created on demand
 
     def activate_past_recording(self) -> None:
-        self._each("set_recording", True)
+        self._each("set_recording", True, order=self._reuse.stores(len(self.layers)))
 
     def is_recording_past(self, layer_idx: int) -> bool:
-        return self._layer(layer_idx).record_past
+        return self._layer(layer_idx).record_past and layer_idx not in self._reuse
 
     def close(self) -> None:
         """Release every buffer and file now (also done when the cache is garbage-collected)."""
@@ -313,6 +322,11 @@ class TieredCache(Cache):
                 f"({self.model.name})"
             )
         return self.layers[layer_idx]
+
+    def _attention_layer(self, layer_idx: int, what: str) -> KVLayer:
+        """The layer that answers ``what`` for ``layer_idx`` (a placeholder 0: the first that stores)."""
+        self._layer(layer_idx)
+        return self.layers[self._reuse.answering(layer_idx, len(self.layers), what)]
 
     def _each(self, method: str, *args, order=None) -> None:
         """Apply an operation to every layer; a layer's CacheError names its index."""

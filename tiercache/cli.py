@@ -182,7 +182,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="an OpenAI-compatible server that keeps conversations' KV caches")
     s.add_argument("--model", default="tiny", help="tiny (default), tiny-random, a local model directory or a hub id")
     s.add_argument("--policy", default=None, help="serving policy YAML (rung 0; default: full precision)")
-    s.add_argument("--store", default=None, help="store YAML: budget per tier and demotion ladder (configs/store.yaml)")
+    s.add_argument("--store", default=None, help="store YAML: budget per tier and demotion ladder (configs/serve/store.yaml)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=positive_int, default=8000)
     s.add_argument("--no-store", action="store_true", help="keep nothing between requests (prefill everything)")

@@ -16,6 +16,12 @@ model passes to ``cache.update`` (transformers 5.x):
   ``qk_rope_head_dim`` wide;
 - heterogeneous configs (``per_layer_config``, e.g. Gemma 4's wider full-attention layers):
   read layer by layer.
+Windows follow transformers' ``DynamicCache(config=...)`` (``get_layer_types_and_kwargs``):
+layer types come from ``layer_types``, else ``sliding_attention`` when ``sliding_window`` is set,
+else ``chunked_attention`` when ``attention_chunk_size`` is; a sliding layer keeps
+``sliding_window`` tokens and a chunked one ``attention_chunk_size`` (``window(i)``), even when a
+config sets both. A chunked layer is a sliding layer for the cache (transformers uses the same
+layer class: only the attention mask differs, and the model builds that).
 Encoder-decoder configs (``is_encoder_decoder``: BART, T5, Whisper, Marian, Pegasus ...) are read
 for their *decoder*, whose layers are what the cache holds: ``decoder_layers`` /
 ``num_decoder_layers``, ``decoder_attention_heads`` / ``num_heads``, ``d_kv`` (T5) else ``d_model /
@@ -50,6 +56,7 @@ class ModelSpec:
     value_dim: int | None = None  # when values are not head_dim wide (None: head_dim)
     layer_shapes: tuple[tuple[int, int, int], ...] | None = None  # per layer when layers differ
     kv_sharing_modes: tuple[str | None, ...] | None = None  # per layer: None | "store" | "reuse"
+    chunk_size: int | None = None  # window of chunked_attention layers (None: sliding_window)
     cross_attention: bool = False  # encoder-decoder: each layer also caches cross-attention K/V of kv_shape(i)
 
     @property
@@ -61,6 +68,16 @@ class ModelSpec:
         if self.layer_shapes is not None:
             return self.layer_shapes[index]
         return self.kv_heads, self.head_dim, self.value_dim or self.head_dim
+
+    def window(self, index: int) -> int | None:
+        """Tokens layer ``index`` keeps: None (full attention), ``sliding_window`` (sliding) or
+        ``chunk_size`` (chunked; ``sliding_window`` when the spec has no chunk size)."""
+        kind = self.layer_types[index]
+        if kind == "full_attention":
+            return None
+        if kind == "chunked_attention" and self.chunk_size is not None:
+            return self.chunk_size
+        return self.sliding_window
 
     def kv_sharing(self, index: int) -> str | None:
         """``None``, ``"store"`` (later layers read its K/V) or ``"reuse"`` (it caches nothing)."""
@@ -94,11 +111,10 @@ class ModelSpec:
         shapes = [_kv_shape(c, name) for c in per_layer] if per_layer else [_kv_shape(config, name)] * n
         kv_heads, head_dim, value_dim = shapes[0]
         window = _read(config, "sliding_window", per_layer)
+        chunk = _read(config, "attention_chunk_size", per_layer)
         types = getattr(config, "layer_types", None)
         if types is None:
-            chunk = getattr(config, "attention_chunk_size", None)
             kind = "sliding_attention" if window else ("chunked_attention" if chunk else "full_attention")
-            window = window or chunk
             types = [kind] * n
         types = tuple(types)
         if len(types) != n:
@@ -109,10 +125,13 @@ class ModelSpec:
                 f"model layer types {unknown} are not supported by tiercache (attention layers only: "
                 "full_attention, sliding_attention, chunked_attention)"
             )
-        if any(t != "full_attention" for t in types) and not window:
-            window = getattr(config, "attention_chunk_size", None)
-        if any(t != "full_attention" for t in types):
-            _positive(window, "sliding_window (its sliding / chunked layers need a window)", name)
+        if "sliding_attention" in types:
+            window = window or chunk  # a sliding layer without sliding_window: the chunk size, as before
+            _positive(window, "sliding_window (its sliding layers need a window)", name)
+        if "chunked_attention" in types:
+            chunk = chunk or window
+            _positive(chunk, "attention_chunk_size (its chunked layers need a chunk size)", name)
+            window = window or chunk
         try:
             sharing = getattr(config, "kv_sharing_modes", None)
         except ValueError as e:  # transformers validates the sharing layout when asked
@@ -131,6 +150,7 @@ class ModelSpec:
             value_dim=value_dim if value_dim != head_dim else None,
             layer_shapes=tuple(shapes) if len(set(shapes)) > 1 else None,
             kv_sharing_modes=sharing,
+            chunk_size=chunk if "chunked_attention" in types else None,
             cross_attention=cross,
         )
 

@@ -195,7 +195,7 @@ class Policy:
                 if o.offload is not UNSET:
                     offload = o.offload
             storage = "sliding" if sliding else self.storage
-            window = model.sliding_window if sliding else None
+            window = model.window(idx)
             out.append(LayerPolicy(idx, layer_type, storage, window, self.max_length, quantize, offload,
                                    model.kv_sharing(idx)))
         return out

@@ -116,3 +116,20 @@ def test_generate_continues_a_deepcopy_like_the_original():
             outs.append(model.generate(more, past_key_values=cache, max_new_tokens=5, do_sample=False))
         ref = model.generate(more, past_key_values=prompt_cache, max_new_tokens=5, do_sample=False)
         assert torch.equal(outs[0], ref) and torch.equal(outs[1], ref), name
+
+
+@pytest.mark.parametrize("quantize", [None, {"bits": 4, "group_size": 2, "residual_length": 4}], ids=["fp", "int4"])
+def test_fork_of_an_empty_recording_cache_still_records(quantize):
+    """Found by tests/test_differential.py with deepcopy: an empty quantized sliding layer dropped
+    its store's recording flag on fork, so the copy's next crop could not roll back."""
+    cfg = Gemma2Config(num_hidden_layers=2, sliding_window=4, head_dim=8, **CFG)
+    c = TieredCache.from_policy({"quantize": quantize}, cfg)
+    c.activate_past_recording()
+    d = c.fork()
+    assert [d.is_recording_past(i) for i in range(2)] == [c.is_recording_past(i) for i in range(2)] == [True, False]
+    for cache in (c, d):
+        for t in (3, 3):
+            for i in range(2):
+                cache.update(*(torch.ones(1, 2, t, 8),) * 2, i)
+        cache.crop(-4)  # rolls back past the window: only a recording layer can
+    assert d.get_seq_length() == c.get_seq_length() == 2

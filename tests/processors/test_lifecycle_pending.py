@@ -193,7 +193,7 @@ def test_a_poisoned_layer_is_not_forked_saved_or_retiered(policy, tmp_path):
     # layer 0 had moved when layer 1 refused: retier's roll-back re-quantizes its dequantized
     # values into the same blocks (lifecycle/retier.py), equal up to float rounding
     as_before(1e-5)
-    cache.crop(q.seen - 1)  # dropping the bad update makes it usable (and savable) again
+    cache.crop(-1)  # dropping the bad update (the last token) makes it usable (and savable) again
     cache.save(tmp_path / "c.safetensors")
     back = tiercache.TieredCache.load(tmp_path / "c.safetensors", SPEC)
     assert back.get_seq_length() == 11

@@ -193,13 +193,17 @@ def test_bad_input_leaves_layer_unchanged():
     for bad in (lambda: layer.update(*kv(13, torch.float32, 9)),  # past max_length
                 lambda: layer.update(torch.randn(B, H, 1, D + 1), torch.randn(B, H, 1, D + 1)),
                 lambda: layer.update(torch.randn(B + 1, H, 1, D), torch.randn(B + 1, H, 1, D)),
-                lambda: layer.crop(99), lambda: layer.crop(-1),
+                lambda: layer.crop(-1),
                 lambda: layer.reorder(torch.tensor([0, 5, 1])),
                 lambda: layer.repeat_interleave(0)):
         with pytest.raises(CacheError):
             bad()
         assert layer.seq_length() == 8
         assert all(torch.equal(a, b) for a, b in zip(layer.kv(), before))
+    layer.crop(99)  # past the start empties the layer, as transformers' DynamicLayer
+    assert layer.seq_length() == 0 and layer.kv() is None and layer.keys.shape == (B, H, 0, D)
+    layer.update(*kv(3, torch.float32, 9))  # and it goes on from empty
+    assert layer.seq_length() == 3 and torch.equal(layer.keys, kv(3, torch.float32, 9)[0])
 
 
 def test_sliding_crop_past_window_raises_and_keeps_state():

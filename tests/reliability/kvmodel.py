@@ -213,10 +213,11 @@ class Ref:
         return self.seen + q, 0
 
     def crop_allowed(self, n: int) -> bool:
-        """Whether a plain layer of this kind accepts ``crop(n)``."""
-        if not 0 <= n <= self.seen:
+        """Whether a plain layer of this kind accepts ``crop(n)`` (past the start: every token)."""
+        if n < 0:
             return False
-        if self.storage != "sliding":
+        n = min(n, self.seen)
+        if self.storage != "sliding" or n == self.seen:  # emptying the layer is always exact
             return True
         held = self.seen - self.kept_from
         return held - n >= min(self.window - 1, self.seen - n)
@@ -239,7 +240,7 @@ class Ref:
     def crop(self, n: int) -> None:
         if self.k is None:
             return
-        keep = self.seen - n
+        keep = self.seen - min(n, self.seen)
         self.k, self.v = self.k[:, :, :keep], self.v[:, :, :keep]
         if self.storage == "sliding":
             self.kept_from = min(max(self.kept_from, keep - (self.window - 1)), keep)

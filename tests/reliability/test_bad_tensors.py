@@ -97,7 +97,7 @@ def test_update_past_static_max_length(chain, tier_dir):
 
 # Whole-cache operations with bad arguments: (id, call, message)
 BAD_OPS = [
-    ("crop-past-start", lambda c: c.crop(-(PREFILL + 1)), f"cannot crop {PREFILL + 1} tokens"),
+    ("crop-positive", lambda c: c.crop(PREFILL - 1), rf"crop\({PREFILL - 1}\): needs an int <= 0.*a positive value is not supported"),
     ("reorder-out-of-range", lambda c: c.reorder_cache(torch.tensor([0, B])), r"reorder: indices must lie in \[-2, 2\)"),
     ("reorder-2d", lambda c: c.reorder_cache(torch.zeros(2, 2, dtype=torch.long)), "reorder: expected a 1-D integer index tensor"),
     ("reorder-float", lambda c: c.reorder_cache(torch.tensor([0.0, 1.0])), "reorder: expected a 1-D integer index tensor"),

@@ -12,7 +12,7 @@ from tiercache import PolicyError, TieredCache
 from tiercache.bench.tiny import load_model
 from tiercache.serve.config import load_store_config
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "store.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "serve" / "store.yaml"
 
 
 def test_the_example_ladder_moves_a_cache_down_and_back():

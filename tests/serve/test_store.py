@@ -22,8 +22,10 @@ class FakeCache:
         self.forks += 1
         return FakeCache(self.kv, self.place)
 
-    def crop(self, n):
-        self.kv = self.kv[:n] if n > 0 else self.kv[:len(self.kv) + n] if n < 0 else self.kv
+    def crop(self, n):  # TieredCache's contract (transformers 5.x): negative removes -n, positive is refused
+        if n > 0:
+            raise ValueError(f"crop({n}): positive crops are refused")
+        self.kv = self.kv[:len(self.kv) + n] if n < 0 else self.kv
 
     def retier(self, policy):
         if self.fail_retier:

@@ -13,7 +13,8 @@ Required
         For the *next* update of ``query_length`` tokens: how many keys it returns and the
         position of the first one (transformers' ``get_mask_sizes``).
     crop(n)
-        Remove the last ``n`` tokens (``0 <= n <= seq_length()``). ``crop(0)`` lets a sliding
+        Remove the last ``n >= 0`` tokens; all of them when ``n > seq_length()`` (as transformers'
+        ``DynamicLayer``: cropping past the start empties the layer). ``crop(0)`` lets a sliding
         layer trim what it kept for a rollback back to its working size.
     validate_update(key, value)
         Raise ``CacheError`` if ``update(key, value)`` would be refused (shape, dtype, batch,
@@ -21,15 +22,23 @@ Required
         call it on the layer they wrap before changing state of their own.
     validate_crop(n)
         Raise ``CacheError`` if ``crop(n)`` would be refused, changing nothing (the default
-        checks ``0 <= n <= seq_length()``; a sliding layer also checks it still holds the
-        tokens). ``TieredCache.crop`` asks every layer first, so a refused crop changes no layer.
+        checks ``n`` is an int ``>= 0``; a sliding layer also checks it still holds the tokens it
+        would need after the crop). ``TieredCache.crop`` asks every layer first, so a refused crop changes no layer.
     reorder(beam_idx) / select(indices) / repeat_interleave(repeats)
         Batch-dimension operations: beam reorder (gather), batch select, batch repeat-interleave.
     reset()
         Drop everything; the layer is as new (it may re-learn shape, dtype and device).
     kv() -> (keys, values) | None
         What the layer holds now, ``[B, H, S, D]`` views, or None when empty. Processors read
-        the layer they wrap through this (never through its attributes).
+        the layer they wrap through this (never through its attributes). It may prepare the
+        layer for use (an offloaded layer fetches itself to the compute device).
+    peek() -> (keys, values) | None
+        The same tokens as ``kv()`` with no side effect at all (no fetch, no eviction, no shared
+        buffer touched): None before the first update (and after ``reset``), else ``[B, H, S, D]``
+        with ``S`` possibly 0. Views of the layer's own memory for storage layers, fresh tensors
+        for processors (dequantized; copied from the host tier to the compute device).
+        ``keys`` / ``values`` (read-only properties, transformers' layer attributes) are built
+        on it here, once, for every layer.
     nbytes() -> dict[place, int]
         Bytes held now, per place (``"cpu"``, ``"cuda:0"``, ``"disk"``): allocated, not logical.
     tier_nbytes() -> dict[tier, int]
@@ -66,7 +75,8 @@ Optional hooks (no-op defaults here)
     set_recording(on)   keep tokens a sliding layer would drop until the next crop (assisted decoding)
     close()             release files and buffers for good
 
-Class attributes: ``is_sliding``, ``is_compileable``, ``max_length()`` (-1 when unbounded).
+Class attributes: ``is_sliding``, ``is_compileable``, ``max_length()`` (-1 when unbounded);
+``is_initialized`` (property: updated since built or reset).
 
 ``record_past`` is transformers' layer attribute for that mode: reading it says whether the layer
 records (``recording``, False unless a layer defines it), and assigning it calls
@@ -116,7 +126,30 @@ class KVLayer(ABC):
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
     @abstractmethod
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    @abstractmethod
     def nbytes(self) -> dict[str, int]: ...
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The keys the layer holds, ``[B, H, S, D]`` at full precision (transformers' attribute).
+
+        None before the first update and after ``reset``; ``S`` is 0 once cropped empty (as
+        ``DynamicLayer``). Read-only, and reading never changes the layer. Cost: a storage
+        layer returns a view of its memory (valid until the next call on the cache); a quantized
+        layer dequantizes its whole history into fresh tensors on every read; an offloaded layer
+        copies its host copy (or packed blocks) to the compute device on every read. Reading
+        ``keys`` and then ``values`` pays that twice: ``peek()`` returns both at once.
+        """
+        held = self.peek()
+        return None if held is None else held[0]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The values the layer holds, ``[B, H, S, D]``: as ``keys`` (same cost, same rules)."""
+        held = self.peek()
+        return None if held is None else held[1]
 
     @abstractmethod
     def tier_nbytes(self) -> dict[str, int]: ...
@@ -146,6 +179,12 @@ class KVLayer(ABC):
 
     def validate_crop(self, n: int) -> None:
         check_crop(n, self.seq_length())
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the layer has had an update since it was built or reset (transformers' layer
+        attribute; read-only here). The default asks ``peek()``; layers answer it cheaply."""
+        return self.peek() is not None
 
     def prefetch(self) -> None:
         """Hook: begin moving this layer to the compute device ahead of use."""
@@ -177,12 +216,12 @@ class KVLayer(ABC):
         """Hook: release files and buffers for good."""
 
 
-def check_crop(n: int, seq_length: int) -> None:
-    """Validate a crop count against the tokens a layer has."""
+def check_crop(n: int, seq_length: int) -> int:
+    """Validate a crop count; returns the tokens it really removes: ``min(n, seq_length)``
+    (cropping past the start empties the layer, as transformers' ``DynamicLayer``)."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise CacheError(f"crop(n) needs an int n >= 0 (tokens to remove), got {n!r}")
-    if n > seq_length:
-        raise CacheError(f"cannot crop {n} tokens: the layer holds only {seq_length}")
+    return min(n, seq_length)
 
 
 def check_batch_indices(indices: torch.Tensor, batch: int, what: str) -> torch.Tensor:

@@ -53,6 +53,12 @@ class Buffer:
         a, b = self.start + lo, self.start + hi
         return self.keys[:, :, a:b], self.values[:, :, a:b]  # [B, H, hi-lo, D]
 
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Views of every held token; None before the first append (or after ``clear``)."""
+        if self.spec is None:
+            return None
+        return self.spec.empty() if self.keys is None else self.view()  # [B, H, S, D]
+
     def nbytes(self) -> dict[str, int]:
         if self.keys is None:
             return {}

@@ -29,8 +29,7 @@ class FullLayer(KVLayer):
         return self.seq_length() + query_length, 0
 
     def crop(self, n: int) -> None:
-        check_crop(n, self.seq_length())
-        self.buffer.truncate(n)
+        self.buffer.truncate(check_crop(n, self.seq_length()))
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         if self.buffer.spec is None:  # never written (or reset): nothing to reorder, as in transformers
@@ -55,6 +54,13 @@ class FullLayer(KVLayer):
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.buffer.view() if self.buffer.spec is not None and len(self.buffer) else None
+
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.buffer.peek()
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.buffer.spec is not None
 
     def nbytes(self) -> dict[str, int]:
         return self.buffer.nbytes()

@@ -3,7 +3,11 @@
 It follows transformers' sliding-window cache contract exactly, so outputs are identical to
 ``DynamicCache``: an update of ``T`` tokens returns the last ``window - 1 + T`` tokens (held plus
 new), then only the last ``window - 1`` are kept. With ``set_recording(True)`` (assisted decoding)
-tokens are kept until the next ``crop``, which may then roll back and trims to the window.
+tokens are kept until the next ``crop``, which may then roll back and trims to the window. A
+crop is refused (``CacheError``) only when its result could not be exact: when the tokens the
+window needs after it were already dropped (past the window without recording; transformers
+raises there too, or, recording, keeps a wrong window). Cropping every token (or more) empties
+the layer, as in transformers before the window fills.
 
 Memory: a buffer of about ``window + min(window, CHUNK)`` tokens (at least one CHUNK); when its end is reached the kept tokens
 slide down to the front (one copy of the window every ``CHUNK`` tokens, not per token).
@@ -80,9 +84,10 @@ class SlidingLayer(KVLayer):
             self._trim()
 
     def validate_crop(self, n: int) -> None:
-        check_crop(n, self.seen)
+        n = check_crop(n, self.seen)  # past the start: every token (transformers empties the layer)
         held, keep = len(self.buffer), self.window - 1
-        if held - n < min(keep, self.seen - n):
+        # Refused only when the result could not be exact: emptying the layer always is.
+        if n < self.seen and held - n < min(keep, self.seen - n):
             raise CacheError(
                 f"cannot crop {n} tokens from a sliding layer (window {self.window}) that kept only {held}: "
                 "tokens before the window are gone; call activate_past_recording() before "
@@ -91,7 +96,8 @@ class SlidingLayer(KVLayer):
 
     def crop(self, n: int) -> None:
         self.validate_crop(n)
-        self.buffer.truncate(n)
+        n = check_crop(n, self.seen)
+        self.buffer.truncate(min(n, len(self.buffer)))  # (n > held only when it empties the layer)
         self.seen -= n
         self._trim(always=True)  # a crop ends a recorded step: back to the working size
 
@@ -119,6 +125,13 @@ class SlidingLayer(KVLayer):
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.buffer.view() if self.buffer.spec is not None and len(self.buffer) else None
+
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.buffer.peek()
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.buffer.spec is not None
 
     def nbytes(self) -> dict[str, int]:
         return self.buffer.nbytes()

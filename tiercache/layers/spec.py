@@ -48,6 +48,11 @@ class KVSpec:
         """The spec of a pair already checked by ``check_pair``."""
         return cls(key.shape[0], key.shape[1], key.shape[3], value.shape[3], key.dtype, key.device)
 
+    def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero-token keys and values of this layout, ``[B, H, 0, D]`` (an initialized empty layer)."""
+        return (torch.empty((self.batch, self.heads, 0, self.key_dim), dtype=self.dtype, device=self.device),
+                torch.empty((self.batch, self.heads, 0, self.value_dim), dtype=self.dtype, device=self.device))
+
     def with_batch(self, batch: int) -> "KVSpec":
         return replace(self, batch=batch)
 

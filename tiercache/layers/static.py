@@ -30,8 +30,8 @@ class StaticLayer(KVLayer):
         self.padded = bool(padded)
         self.tier = tier or ComputeTier()
         self.spec: KVSpec | None = None
-        self.keys: torch.Tensor | None = None  # [B, H, max_length, Dk]
-        self.values: torch.Tensor | None = None  # [B, H, max_length, Dv]
+        self.k: torch.Tensor | None = None  # [B, H, max_length, Dk]
+        self.v: torch.Tensor | None = None  # [B, H, max_length, Dv]
         self.position: torch.Tensor | None = None  # [] int64 on the device: next write index
         self.length = 0  # host mirror of position, for checks
 
@@ -63,13 +63,13 @@ class StaticLayer(KVLayer):
         if self.spec is None:
             self._allocate(spec)
         index = self.position + torch.arange(t, device=self.position.device)  # [T]
-        self.keys.index_copy_(2, index, key)
-        self.values.index_copy_(2, index, value)
+        self.k.index_copy_(2, index, key)
+        self.v.index_copy_(2, index, value)
         self.position.add_(t)
         self.length += t
         if not self.padded:
-            return self.keys[:, :, : self.length], self.values[:, :, : self.length]  # [B, H, S, D]
-        return self.keys, self.values  # [B, H, max_length, D]; positions >= length are masked
+            return self.k[:, :, : self.length], self.v[:, :, : self.length]  # [B, H, S, D]
+        return self.k, self.v  # [B, H, max_length, D]; positions >= length are masked
 
     def seq_length(self) -> int:
         return self.length
@@ -81,7 +81,7 @@ class StaticLayer(KVLayer):
         return self.limit
 
     def crop(self, n: int) -> None:
-        check_crop(n, self.length)
+        n = check_crop(n, self.length)
         if n:
             self.position.sub_(n)
             self.length -= n
@@ -89,9 +89,9 @@ class StaticLayer(KVLayer):
     def reorder(self, beam_idx: torch.Tensor) -> None:
         if self.spec is None:
             return
-        idx = check_batch_indices(beam_idx, self.spec.batch, "reorder").to(self.keys.device)
-        self.keys.copy_(self.keys.index_select(0, idx))
-        self.values.copy_(self.values.index_select(0, idx))
+        idx = check_batch_indices(beam_idx, self.spec.batch, "reorder").to(self.k.device)
+        self.k.copy_(self.k.index_select(0, idx))
+        self.v.copy_(self.v.index_select(0, idx))
 
     def select(self, indices: torch.Tensor) -> None:
         if self.spec is not None:
@@ -103,10 +103,10 @@ class StaticLayer(KVLayer):
             self._regather(torch.arange(self.spec.batch).repeat_interleave(repeats))
 
     def reset(self) -> None:
-        if self.keys is not None:
-            self.tier.free(self.keys)
-            self.tier.free(self.values)
-        self.spec = self.keys = self.values = self.position = None
+        if self.k is not None:
+            self.tier.free(self.k)
+            self.tier.free(self.v)
+        self.spec = self.k = self.v = self.position = None
         self.length = 0
 
     def close(self) -> None:
@@ -116,12 +116,21 @@ class StaticLayer(KVLayer):
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.spec is None or not self.length:
             return None
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        return self.peek()
+
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.spec is None:
+            return None
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]  # [B, H, S, D] views
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.spec is not None
 
     def nbytes(self) -> dict[str, int]:
-        if self.keys is None:
+        if self.k is None:
             return {}
-        size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        size = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
         return {self.tier.place(self.spec.device): size}
 
     def tier_nbytes(self) -> dict[str, int]:
@@ -134,7 +143,7 @@ class StaticLayer(KVLayer):
         if self.spec is None:
             return {"kind": "static", "spec": None}
         return {"kind": "static", "spec": spec_state(self.spec), "length": self.length,
-                "keys": self.keys[:, :, : self.length], "values": self.values[:, :, : self.length]}
+                "keys": self.k[:, :, : self.length], "values": self.v[:, :, : self.length]}
 
     def load_state_dict(self, sd: dict) -> None:
         expect(sd, "static")
@@ -167,8 +176,8 @@ class StaticLayer(KVLayer):
         self.reset()
         self._allocate(spec)
         n = key.shape[2]
-        self.keys[:, :, :n].copy_(key)
-        self.values[:, :, :n].copy_(value)
+        self.k[:, :, :n].copy_(key)
+        self.v[:, :, :n].copy_(value)
         self.position.fill_(n)
         self.length = n
 
@@ -190,17 +199,17 @@ class StaticLayer(KVLayer):
                 ) from None
             raise
         # assigned only once both allocations succeeded: a failure leaves the layer as it was
-        self.keys, self.values = keys.zero_(), values.zero_()
+        self.k, self.v = keys.zero_(), values.zero_()
         self.position = torch.zeros((), dtype=torch.long, device=s.device)
         self.spec = spec
 
     def _regather(self, index: torch.Tensor) -> None:
-        index = index.to(self.keys.device)
-        keys, values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        index = index.to(self.k.device)
+        keys, values = self.k.index_select(0, index), self.v.index_select(0, index)
         position, length = self.position, self.length
         self.reset()
         self._allocate(KVSpec.of(keys, values))
-        self.keys.copy_(keys)
-        self.values.copy_(values)
+        self.k.copy_(keys)
+        self.v.copy_(values)
         self.position.copy_(position)
         self.length = length

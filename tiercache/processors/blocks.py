@@ -3,8 +3,10 @@
 Interface
     BlockCodec(backend, group_size, head_dim, axis, dtype)
     encode(x) -> rows          x ``[B, H, N*G, D]`` float -> rows ``[B, H, N, row_bytes]`` uint8
-    decode(rows, out)          rows ``[B, H, N, row_bytes]`` -> writes ``out`` ``[B, H, N*G, D]``
-                               (a view into a larger tensor is fine: no temporary of the output)
+    decode(rows, out, remember=True)
+                               rows ``[B, H, N, row_bytes]`` -> writes ``out`` ``[B, H, N*G, D]``
+                               (a view into a larger tensor is fine: no temporary of the output;
+                               ``remember=False`` keeps no views of ``rows`` for the next call)
     roundtrip(x)               ``decode(encode(x))``: what attention sees for quantized tokens
     row_bytes / groups         bytes of one block row, quantization groups per block
 
@@ -126,7 +128,7 @@ class BlockCodec:
             rows[..., at : at + self.meta_bytes] = meta.view(torch.uint8)
         return rows
 
-    def decode(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+    def decode(self, rows: torch.Tensor, out: torch.Tensor, remember: bool = True) -> None:
         """Two vectorized passes over ``out``: codes as floats, then ``* scale + offset`` in place.
 
         On CPU this beats the alternatives measured: a 256-entry byte -> floats lookup
@@ -135,7 +137,7 @@ class BlockCodec:
         """
         b, h, n, _ = rows.shape
         view = out.view(b, h, n, *self.shape)  # [B, H, N, G, D] over the caller's output
-        codes, scale, offset = self._parts(rows)
+        codes, scale, offset = self._parts(rows, remember)
         self._unpack_into(codes, view)
         if offset is None:  # fp8
             view.mul_(scale)
@@ -144,16 +146,17 @@ class BlockCodec:
         else:  # [.., G, n, 1] broadcast along channels: mul_ + add_ vectorize, addcmul does not
             view.mul_(scale).add_(offset)
 
-    def _parts(self, rows: torch.Tensor):
+    def _parts(self, rows: torch.Tensor, remember: bool = True):
         """(codes, scale, offset) views of ``rows``; remembered for the last rows seen (a decode
         step reads the same store views again: a cached view keeps its storage alive, so an equal
-        data pointer is the same memory)."""
+        data pointer is the same memory). ``remember=False``: a one-off read (``peek``)."""
         key = (rows.data_ptr(), rows.shape, rows.stride())
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         codes = rows.narrow(-1, 0, self.code_bytes)
         parts = (codes, self._meta(rows, 0), self._meta(rows, 1) if self.backend.has_offset else None)
-        self._last = (key, parts)
+        if remember:
+            self._last = (key, parts)
         return parts
 
     def forget(self) -> None:

@@ -91,6 +91,13 @@ class CrossAttention(KVLayer):
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.inner.kv()
 
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.inner.peek()
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.inner.is_initialized
+
     def nbytes(self) -> dict[str, int]:
         return self.inner.nbytes()
 

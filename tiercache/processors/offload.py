@@ -17,6 +17,9 @@ the mirror device-to-device and sends only those tokens to the host (device -> h
 inner layer appends them): never the whole layer per token. Any dtype works (the packed uint8
 blocks of ``Quantize`` cross the bus compressed), and keys and values may differ in head dim.
 
+``peek()`` (and ``keys`` / ``values``) bypass the mirror and the prefetcher: they copy the host
+copy to the compute device, so reading them never evicts the slot another layer is using.
+
 Errors: the host write happens before the mirror changes, so an update the inner layer
 rejects (``CacheError``: wrong shape, static storage full, disk full) leaves the layer as it
 was; device memory for the mirror is found before that, so running out of it (``CacheError``
@@ -197,6 +200,20 @@ class Offload(KVLayer):
             return None
         self.prefetcher.acquire(self)
         return self.k[:, :, self.lo : self.lo + self.held], self.v[:, :, self.lo : self.lo + self.held]
+
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A copy of the host copy on the compute device, read through the wrapped layer's
+        ``peek()``: no slot acquired, no mirror evicted, no prefetch started. Costs one host ->
+        device copy of the layer (a disk tier: a read of its files) per call."""
+        held = self.inner.peek()
+        if held is None:
+            return None
+        device = self.device if self.device is not None else held[0].device
+        return held[0].to(device, copy=True), held[1].to(device, copy=True)  # [B, H, S, D]
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.inner.is_initialized
 
     def nbytes(self) -> dict[str, int]:
         self._settle()

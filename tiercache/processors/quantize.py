@@ -57,7 +57,10 @@ Cache ops act on blocks and residual alike. ``crop`` reaching into the blocks dr
 blocks from the store and moves the kept head of the cut block back into the residual as its
 dequantized values (exactly what attention saw); those tokens are quantized once more when
 they leave the residual again (the only case a value is quantized twice). After a crop the
-residual may hold fewer than ``r(n)`` tokens; the flush rule above applies from there.
+residual may hold fewer than ``r(n)`` tokens; the flush rule above applies from there. A crop
+of ``seq_length()`` tokens or more empties the layer (transformers' ``DynamicLayer``), even a
+sliding one whose window dropped blocks (the empty result is exact); ``keys`` / ``values``
+(``peek``) dequantize the whole history into fresh tensors on each read.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class Quantize(KVLayer):
         self.spec: KVSpec | None = None
         self.codecs: tuple[BlockCodec, BlockCodec] | None = None
         self.seen = 0  # tokens seen (positions), including any slid out of a window
+        self.recorded = 0  # sliding: tokens updated while recording since the last crop (kept past the window)
         self.stored = False  # the store has had an update (knows batch, dtype, device)
         self.finite = FiniteGuard()  # refuses non-finite updates (processors/finite.py)
 
@@ -147,6 +151,8 @@ class Quantize(KVLayer):
         rest = flush - taken  # new tokens that stay in the residual start here
         self.residual.replace(taken, key.narrow(2, rest, t - rest), value.narrow(2, rest, t - rest))
         self.seen += t
+        if self.window is not None and self.recording:
+            self.recorded += t
         return out
 
     def seq_length(self) -> int:
@@ -164,8 +170,8 @@ class Quantize(KVLayer):
         return self.window if self.window is not None else (self.limit if self.limit is not None else -1)
 
     def validate_crop(self, n: int) -> None:
-        check_crop(n, self.seen)
-        if n > len(self.residual):
+        n = check_crop(n, self.seen)  # past the start: every token (transformers empties the layer)
+        if len(self.residual) < n < self.seen:  # (emptying the layer is always exact)
             self._crop_blocks(n)
 
     def _crop_blocks(self, n: int):
@@ -193,14 +199,21 @@ class Quantize(KVLayer):
         return drop, keep, blocks, have
 
     def crop(self, n: int) -> None:
-        check_crop(n, self.seen)
+        n = check_crop(n, self.seen)
         held = len(self.residual)
+        if n and n == self.seen:  # everything, whatever a window dropped
+            if self.stored:
+                self.store.crop(self.store.seq_length())
+            self.residual.clear()
+            self.seen = self.recorded = 0
+            return
         if n <= held:
             if self.stored:
                 self.store.crop(0)  # a sliding store trims what it kept for a rollback
             self.residual.truncate(n)
             self.seen -= n
             self.finite.crop_to(self.seen)
+            self.recorded = 0
             return
         drop, keep, blocks, have = self._crop_blocks(n)
         restored = None
@@ -217,6 +230,7 @@ class Quantize(KVLayer):
             self.residual.replace(0, restored[0][:, :, :keep].to(device), restored[1][:, :, :keep].to(device))
         self.seen -= n
         self.finite.crop_to(self.seen)
+        self.recorded = 0
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         if self.spec is not None:
@@ -237,7 +251,7 @@ class Quantize(KVLayer):
         self.store.reset()
         self.residual.clear()
         self.finite.reset()
-        self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
+        self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
 
     @torch.no_grad()
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -246,6 +260,26 @@ class Quantize(KVLayer):
         if self.spec is None or (not len(self.residual) and self._held_blocks() is None):
             return None
         return self._assemble(self._held_blocks(), None, None, workspace=False)
+
+    @torch.no_grad()
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole history dequantized into fresh tensors ``[B, H, S, D]`` on the compute device
+        (a sliding layer: the tokens a ``SlidingLayer`` keeps, the last ``window - 1`` plus those
+        recorded since the last crop); the store is read through its ``peek()``, so nothing is fetched, evicted or
+        written (not even the workspace or a codec's remembered views)."""
+        if self.spec is None:
+            return None
+        blocks = self.store.peek() if self.stored else None
+        k, v = self._assemble(blocks, None, None, workspace=False, remember=False)  # [B, H, S, D]
+        if self.window is not None:
+            keep = min(self.window - 1, self.seen - self.recorded) + self.recorded
+            if k.shape[2] > keep:
+                k, v = k[:, :, k.shape[2] - keep :], v[:, :, k.shape[2] - keep :]
+        return k, v
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.spec is not None
 
     def tier_nbytes(self) -> dict[str, int]:
         out = dict(self.store.tier_nbytes())
@@ -290,6 +324,8 @@ class Quantize(KVLayer):
 
     def set_recording(self, on: bool) -> None:
         self.store.set_recording(on)
+        if not on:
+            self.recorded = 0
 
     @property
     def recording(self) -> bool:
@@ -302,7 +338,7 @@ class Quantize(KVLayer):
         self.finite.reset()
         for codec in self.codecs or ():
             codec.forget()
-        self.spec, self.codecs, self.seen, self.stored = None, None, 0, False
+        self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
 
     def _codecs(self, spec: KVSpec) -> tuple[BlockCodec, BlockCodec]:
         return tuple(BlockCodec(self.backend, self.g, d, axis, spec.dtype)
@@ -313,9 +349,10 @@ class Quantize(KVLayer):
             return None
         return self.store.kv()  # [B, H, N, row] each, or None
 
-    def _assemble(self, blocks, new, visible: int | None, workspace: bool = True):
+    def _assemble(self, blocks, new, visible: int | None, workspace: bool = True, remember: bool = True):
         """Dequantized blocks, the residual, then ``new`` tokens (the last ``visible`` of them):
-        one ``[B, H, S, D]`` per K and V, in the shared workspace when there is one."""
+        one ``[B, H, S, D]`` per K and V, in the shared workspace when there is one
+        (``remember``: let the codecs keep views of the rows for the next step)."""
         g, s = self.g, self.spec
         held, fresh = len(self.residual), (0 if new is None else new[0].shape[2])
         n = 0 if blocks is None else blocks[0].shape[2]
@@ -339,11 +376,11 @@ class Quantize(KVLayer):
                 rows = blocks[i] if blocks[i].device == s.device else blocks[i].to(s.device, non_blocking=True)
                 if lo:  # the oldest block is only partly visible: decode it aside
                     part = torch.empty((s.batch, s.heads, g, shapes[i][3]), dtype=s.dtype, device=s.device)
-                    self.codecs[i].decode(rows.narrow(2, 0, 1), part)
+                    self.codecs[i].decode(rows.narrow(2, 0, 1), part, remember)
                     out.narrow(2, 0, g - lo).copy_(part.narrow(2, lo, g - lo))
                     rows, at, lo = rows.narrow(2, 1, n - 1), g - lo, 0
                 if rows.shape[2]:
-                    self.codecs[i].decode(rows, out.narrow(2, at, rows.shape[2] * g))
+                    self.codecs[i].decode(rows, out.narrow(2, at, rows.shape[2] * g), remember)
                     at += rows.shape[2] * g
             for src, count in ((res, held), (new, fresh)):
                 if count > lo:

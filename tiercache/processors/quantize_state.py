@@ -3,7 +3,7 @@
     (state_dict, export and adopt first settle the FiniteGuard: a poisoned layer raises its
     pending CacheError and is never saved, forked or moved)
     state_dict(q)            kind, config (the block format), window / max_length, spec, seen,
-                             stored, ``residual.keys`` / ``residual.values`` and ``store.*`` (the
+                             stored, recorded, ``residual.keys`` / ``residual.values`` and ``store.*`` (the
                              packed blocks as held: codes and scales, never dequantized)
     load_state_dict(q, sd)   the same block format only (``CacheError`` otherwise)
     export(q)                (keys, values, seen): blocks dequantized into fresh tensors + residual
@@ -39,6 +39,7 @@ def state_dict(q) -> dict:
     q.finite.settle()  # a poisoned layer is refused, never saved (processors/finite.py)
     return {"kind": "quantize", "config": dataclasses.asdict(q.config), "window": q.window,
             "max_length": q.limit, "spec": spec_state(q.spec), "seen": q.seen, "stored": q.stored,
+            "recorded": q.recorded,
             **nest("residual.", q.residual.state_dict()), **nest("store.", q.store.state_dict())}
 
 
@@ -51,6 +52,7 @@ def load_state_dict(q, sd: dict) -> None:
     seen, stored = field(sd, "seen", "quantize"), field(sd, "stored", "quantize", bool)
     q.reset()
     if spec is None:
+        q.store.load_state_dict(part(sd, "store."))  # empty, but a sliding store's recording flag counts
         return
     try:
         q.residual.load_state_dict(part(sd, "residual."), spec)
@@ -59,6 +61,7 @@ def load_state_dict(q, sd: dict) -> None:
         q.reset()
         raise
     q.spec, q.codecs, q.seen, q.stored = spec, q._codecs(spec), seen, stored
+    q.recorded = min(max(int(sd.get("recorded", 0)), 0), seen)  # (absent in states saved before it)
 
 
 @torch.no_grad()
@@ -134,6 +137,7 @@ def adopt(q, other) -> None:
         q.reset()
         raise
     q.spec, q.codecs, q.seen, q.stored = other.spec, q._codecs(other.spec), other.seen, other.stored
+    q.recorded = other.recorded
 
 
 def _encode(codec, x: torch.Tensor, g: int, parts: int = 8) -> torch.Tensor:

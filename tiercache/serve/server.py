@@ -5,7 +5,7 @@
 
 ``--model`` is loaded by ``tiercache.bench.tiny.load_model`` (``tiny``, ``tiny-random``, a path or a
 hub id), on CUDA when present. ``--policy`` is the serving policy (rung 0; default full
-precision); ``--store`` the budget and ladder (``configs/store.yaml``; default ``config.DEFAULT``);
+precision); ``--store`` the budget and ladder (``configs/serve/store.yaml``; default ``config.DEFAULT``);
 ``--no-store`` keeps nothing between requests; ``--persist DIR`` saves entries on shutdown and
 loads them (checked) on start.
 """

@@ -113,7 +113,7 @@ class PrefixStore:
             try:
                 if not taken:
                     cache = entry.cache.fork()
-                    cache.crop(use)
+                    cache.crop(use - cache.get_seq_length())  # negative: drop the tokens past the shared prefix
                 if entry.rung != 0:
                     cache.retier(self.ladder[0])
             except Exception as e:  # noqa: BLE001 - never serve a doubtful cache

@@ -1,0 +1,288 @@
+"""Differential test: the same seeded random program of cache operations on transformers'
+``DynamicCache(config=...)`` and on ``TieredCache``, for every policy kind, comparing every
+observable after every operation.
+
+Operations (``OPS``): updates of random token counts on every layer that stores (as a model
+does), crops (0, within, to the start, past it, positive), beam reorders, batch selects,
+repeat-interleaves, resets, past recording (assisted decoding), and reads. Observables:
+each layer's ``keys`` / ``values`` (None-ness, shape, contents), update outputs,
+``get_seq_length``, ``get_mask_sizes``, ``get_max_length``, ``is_initialized``, ``is_sliding``,
+``is_dummy``, ``batch_size``, and which operations are refused.
+
+Where transformers 5.23 gives no answer or a wrong one, the documented tiercache behaviour is
+checked instead (see ``tiercache.cache``): a crop transformers refuses while ours is exact
+(``crop(0)`` past a window, emptying a sliding layer, a never-written sliding layer), and a crop
+where transformers silently keeps a wrong window (ours refuses) or a negative length (ours is
+empty). Static storage answers as transformers' ``StaticCache`` for mask sizes and maximum
+length. Quantized policies use int4 with group 2: each group is then its own min and max, so
+dequantization is exact up to float rounding and a tight tolerance catches misplaced tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import transformers as tf
+from transformers import DynamicCache
+
+from tiercache import CacheError, TieredCache
+
+OPS = ["update"] * 6 + ["crop"] * 3 + ["reorder", "select", "repeat", "reset", "record", "read", "deepcopy"]
+
+SMALL = dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
+CONFIGS = {
+    "llama": lambda: tf.LlamaConfig(num_hidden_layers=3, **SMALL),
+    "mistral": lambda: tf.MistralConfig(num_hidden_layers=2, sliding_window=4, **SMALL),
+    "gemma2": lambda: tf.Gemma2Config(num_hidden_layers=4, sliding_window=4, head_dim=8, **SMALL),
+    "llama4-chunked": lambda: tf.Llama4TextConfig(
+        num_hidden_layers=3, head_dim=8, attention_chunk_size=3, sliding_window=5,
+        layer_types=["sliding_attention", "chunked_attention", "full_attention"], **SMALL),
+    "gemma3n-kv-sharing": lambda: tf.Gemma3nTextConfig(
+        num_hidden_layers=4, num_kv_shared_layers=2, head_dim=8, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4, **SMALL),
+}
+Q = {"backend": "native", "bits": 4, "group_size": 2, "residual_length": 4}
+STATIC_LENGTH = 512
+# (id, config, policy); "{tmp}" is replaced by the test's tmp_path
+SETUPS = [
+    ("full-llama", "llama", {}),
+    ("full-mistral-sliding", "mistral", {}),
+    ("full-gemma2-sliding", "gemma2", {}),
+    ("full-llama4-chunked", "llama4-chunked", {}),
+    ("full-gemma3n-kv-sharing", "gemma3n-kv-sharing", {}),
+    ("static-llama", "llama", {"storage": "static", "max_length": STATIC_LENGTH}),
+    ("static-gemma2", "gemma2", {"storage": "static", "max_length": STATIC_LENGTH}),
+    ("offload-cpu-llama", "llama", {"offload": {"device": "cpu"}}),
+    ("offload-cpu-gemma2-all-layers", "gemma2", {
+        "offload": {"device": "cpu", "prefetch": 2},
+        "overrides": [{"layer_type": "sliding_attention", "offload": {"device": "cpu"}}]}),
+    ("offload-disk-llama", "llama", {"offload": {"device": "disk", "path": "{tmp}"}}),
+    ("int4-llama", "llama", {"quantize": Q}),
+    ("int4-gemma2-sliding", "gemma2", {"quantize": Q}),
+    ("int4-offload-llama", "llama", {"quantize": Q, "offload": {"device": "cpu"}}),
+    ("int4-offload-disk-gemma3n", "gemma3n-kv-sharing", {"quantize": Q, "offload": {"device": "disk", "path": "{tmp}"}}),
+    ("static-int4-llama", "llama", {"storage": "static", "max_length": STATIC_LENGTH, "quantize": Q}),
+]
+SEEDS = [0, 1, 2]
+STEPS = 60
+
+
+def _fill(policy, tmp) -> dict:
+    if isinstance(policy, dict):
+        return {k: _fill(v, tmp) for k, v in policy.items()}
+    if isinstance(policy, list):
+        return [_fill(v, tmp) for v in policy]
+    return str(tmp) if policy == "{tmp}" else policy
+
+
+class Program:
+    """Runs operations on both caches and compares what they show."""
+
+    def __init__(self, config, policy: dict, seed: int):
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.ref = DynamicCache(config=config)
+        self.ours = TieredCache.from_policy({"name": "differential", **policy}, config)
+        self.lossy = "quantize" in policy
+        self.static = policy.get("storage") == "static"
+        self.dummy = list(self.ref.is_dummy)
+        # a compileable static cache (no sliding or quantized layer): StaticCache's mask sizes
+        self.padded = self.static and not self.lossy and not any(self.ref.is_sliding)
+        self.n = len(self.ref.layers)
+        self.batch = 2
+        self.dims = [(config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // 4)] * self.n
+
+    # -- comparing ---------------------------------------------------------------------------
+    def same(self, got, want, what: str) -> None:
+        if want is None:
+            assert got is None, f"{what}: expected None, got {tuple(got.shape)}"
+            return
+        assert got is not None, f"{what}: expected {tuple(want.shape)}, got None"
+        assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        if self.lossy:
+            assert torch.allclose(got, want, atol=1e-4, rtol=0), f"{what}: max error {(got - want).abs().max()}"
+        else:
+            assert torch.equal(got, want), f"{what}: contents differ"
+
+    def compare(self, where: str) -> None:
+        ref, ours = self.ref, self.ours
+        assert ours.is_dummy == ref.is_dummy and ours.is_sliding == ref.is_sliding, where
+        assert ours.is_initialized == ref.is_initialized, f"{where}: is_initialized"
+        held = any(layer.keys is not None for layer in ref.layers)  # (DynamicCache.batch_size is always -1)
+        assert ours.batch_size == (self.batch if held else -1), f"{where}: batch_size"
+        limits = [ref.get_max_length(i) for i in range(self.n)]  # static: max_length, as StaticCache
+        limits = [STATIC_LENGTH if self.static and m == -1 and not d else m for m, d in zip(limits, self.dummy)]
+        assert ours.get_max_length() == max(limits), f"{where}: get_max_length()"
+        for i in range(self.n):
+            at = f"{where}, layer {i}"
+            assert ours.get_max_length(i) == limits[i], f"{at}: get_max_length"
+            self.same(ours.layers[i].keys, ref.layers[i].keys, f"{at}: keys")
+            self.same(ours.layers[i].values, ref.layers[i].values, f"{at}: values")
+            if self.dummy[i]:
+                continue
+            assert ours.get_seq_length(i) == ref.get_seq_length(i), f"{at}: get_seq_length"
+            for q in (1, 3):
+                want = (STATIC_LENGTH, 0) if self.padded else ref.get_mask_sizes(q, i)
+                assert ours.get_mask_sizes(q, i) == want, f"{at}: get_mask_sizes({q})"
+
+    # -- operations --------------------------------------------------------------------------
+    def update(self) -> None:
+        t = self.rng.choice([1, 1, 1, 2, 3, 5, 0])
+        for i in range(self.n):
+            if self.dummy[i]:
+                continue
+            heads, dim = self.dims[i]
+            k = torch.randn(self.batch, heads, t, dim, generator=self.gen)
+            v = torch.randn(self.batch, heads, t, dim, generator=self.gen)
+            want = self.ref.update(k, v, i)
+            got = self.ours.update(k, v, i)
+            if self.padded:  # max_length slots; the masked tail is not compared
+                got = tuple(x[:, :, : want[0].shape[2]] for x in got)
+            self.same(got[0], want[0], f"update({t}) keys, layer {i}")
+            self.same(got[1], want[1], f"update({t}) values, layer {i}")
+
+    def crop(self) -> None:
+        seen = self.ref.get_seq_length(0)
+        x = self.rng.choice([0, -1, -2, -seen, -(seen + 1), -(seen + 7), 3])
+        before = copy.deepcopy(self.ref)
+        ref_err = ours_err = None
+        try:
+            self.ref.crop(x)
+        except Exception as e:  # noqa: BLE001 - transformers raises ValueError, RuntimeError, AttributeError
+            ref_err = e
+        try:
+            self.ours.crop(x)
+        except CacheError as e:
+            ours_err = e
+        if ours_err is not None:
+            # transformers refused too, or its answer is wrong: a sliding layer keeps fewer tokens
+            # than its window needs (recording, cropped past what was recorded)
+            assert ref_err is not None or self._ref_window_broken(), f"crop({x}) refused: {ours_err}"
+            self.ref = before  # transformers may have cropped some layers before raising
+            return
+        if ref_err is not None:
+            # ours answers exactly where transformers gives up: crop(0) and emptying crops of a sliding
+            # layer past its window, crops of a never-written sliding layer (AttributeError); a
+            # quantized sliding layer also rolls back within the whole blocks it kept past the window
+            self.ref = before
+            if x <= -seen:
+                self._empty_ref()
+            elif x != 0 and not isinstance(ref_err, AttributeError):
+                assert self.lossy, f"crop({x}) accepted: {ref_err}"
+                self._adopt(x)
+        for layer in self.ref.layers:  # transformers' length goes negative past a recorded start: ours is 0
+            if getattr(layer, "cumulative_length", 0) < 0:
+                layer.cumulative_length = 0
+        if ref_err is None and self._ref_window_broken():
+            # A plain sliding layer refuses this crop; a quantized one kept whole blocks beyond the
+            # window and answers exactly: transformers' tokens are the tail of ours; go on from ours.
+            assert self.lossy, f"crop({x}) accepted where transformers keeps a wrong window"
+            for i, layer in enumerate(self.ref.layers):
+                if getattr(layer, "sliding_window", None) and layer.keys is not None:
+                    k, v = self.ours.layers[i].keys, self.ours.layers[i].values
+                    tail = k.shape[2] - layer.keys.shape[2]
+                    self.same(k[:, :, tail:], layer.keys, f"crop({x}) keys, layer {i}")
+                    self.same(v[:, :, tail:], layer.values, f"crop({x}) values, layer {i}")
+                    layer.keys, layer.values = k.clone(), v.clone()
+
+    def _adopt(self, x: int) -> None:
+        """Apply an accepted crop to transformers' cache: full layers crop themselves; a sliding one
+        (which refused) takes our tokens, once the ones both hold are checked equal."""
+        for i, layer in enumerate(self.ref.layers):
+            if self.dummy[i] or layer.keys is None:
+                continue
+            if getattr(layer, "sliding_window", None) is None:
+                layer.crop(x)
+                continue
+            k, v = self.ours.layers[i].keys, self.ours.layers[i].values
+            common = max(layer.keys.shape[2] + x, 0)  # transformers' kept tokens still before the cut
+            self.same(k[:, :, k.shape[2] - common :], layer.keys[:, :, :common], f"crop({x}) keys, layer {i}")
+            self.same(v[:, :, v.shape[2] - common :], layer.values[:, :, :common], f"crop({x}) values, layer {i}")
+            layer.keys, layer.values = k.clone(), v.clone()
+            layer.cumulative_length += x
+
+    def _ref_window_broken(self) -> bool:
+        for layer in self.ref.layers:
+            window = getattr(layer, "sliding_window", None)
+            if window and layer.keys is not None and layer.keys.shape[2] < min(window - 1, layer.cumulative_length):
+                return True
+        return False
+
+    def _empty_ref(self) -> None:
+        for layer in self.ref.layers:
+            if getattr(layer, "keys", None) is not None:
+                layer.keys, layer.values = layer.keys[:, :, :0], layer.values[:, :, :0]
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = 0
+
+    def reorder(self) -> None:
+        beams = torch.tensor([self.rng.randrange(self.batch) for _ in range(self.batch)])
+        self.ref.reorder_cache(beams)
+        self.ours.reorder_cache(beams)
+
+    def select(self) -> None:
+        rows = sorted(self.rng.sample(range(self.batch), self.rng.randint(1, self.batch)))
+        self._batch_op("batch_select_indices", torch.tensor(rows))
+        self.batch = len(rows)
+
+    def repeat(self) -> None:
+        repeats = 2 if self.batch <= 2 else 1
+        self._batch_op("batch_repeat_interleave", repeats)
+        self.batch *= repeats
+
+    def _batch_op(self, name: str, arg) -> None:
+        getattr(self.ref, name)(arg)
+        getattr(self.ours, name)(arg)
+
+    def _empty_but_initialized(self) -> bool:
+        return any(layer.keys is not None and layer.get_seq_length() == 0
+                   for layer, d in zip(self.ref.layers, self.dummy) if not d)
+
+    def reset(self) -> None:
+        self.ref.reset()
+        self.ours.reset()
+        self.batch = self.rng.randint(1, 3)
+
+    def record(self) -> None:
+        self.ref.activate_past_recording()
+        self.ours.activate_past_recording()
+        for i in range(self.n):
+            assert self.ours.is_recording_past(i) == self.ref.is_recording_past(i), f"recording, layer {i}"
+
+    def read(self) -> None:
+        """``keys`` / ``values`` twice in a row: reading changes nothing (``compare`` reads them too)."""
+        first = [(layer.keys, layer.values) for layer in self.ours.layers]
+        for (k, v), layer in zip(first, self.ours.layers):
+            for a, b in ((k, layer.keys), (v, layer.values)):
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+    def deepcopy(self) -> None:
+        """Continue on independent copies; the originals must not change when the copies do."""
+        self.ref, self.ours = copy.deepcopy(self.ref), copy.deepcopy(self.ours)
+
+    def run(self, steps: int) -> list[str]:
+        done = []
+        self.compare("start")
+        for step in range(steps):
+            op = self.rng.choice(OPS)
+            if op in ("select", "repeat", "reorder") and self.batch == 0:
+                continue
+            if op in ("select", "repeat", "reorder") and self._empty_but_initialized():
+                continue  # transformers leaves such layers at the old batch (and its next update fails)
+            getattr(self, op)()
+            done.append(op)
+            self.compare(f"step {step} ({op}); program so far: {done}")
+        return done
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
+@pytest.mark.parametrize("config,policy", [pytest.param(c, p, id=name) for name, c, p in SETUPS])
+def test_random_program_matches_dynamic_cache(config, policy, seed, tmp_path):
+    program = Program(CONFIGS[config](), _fill(policy, tmp_path), seed)
+    done = program.run(STEPS)
+    assert {"update", "crop"} <= set(done)
+    program.ours.close()
+
