@@ -1,8 +1,8 @@
 """Lifecycle operations on layers with deferred work pending (the GPU path, driven on the CPU).
 
 - ``Offload``: a CUDA write-back is staged (pinned copy + event) and joins the host layer at the
-  next use. Here ``_defers`` / ``_staging`` / ``_write_back`` are replaced by CPU stand-ins whose
-  event is *in flight* until ``synchronize()``: the real ``_settle`` and lifecycle code run. Every
+  next use. Here ``writeback.defers`` / ``staging`` / ``write_back`` are replaced by CPU stand-ins
+  whose event is *in flight* until ``synchronize()``: the real ``settle`` and lifecycle code run. Every
   operation that reads the host copy (state_dict, export: fork, save, retier) or replaces it
   (load_state_dict, ingest, evict) must see / drop nothing: compared with a ``DynamicCache``.
 - ``Quantize``: a non-finite flag of an earlier update that has not been read yet (the CUDA
@@ -20,6 +20,7 @@ from transformers import DynamicCache
 import tiercache
 from tiercache.errors import CacheError
 from tiercache.model_spec import ModelSpec
+from tiercache.processors import writeback
 from tiercache.processors.offload import Offload
 from tiercache.processors.quantize import Quantize
 
@@ -44,15 +45,15 @@ class InFlight:
 @pytest.fixture
 def deferred(monkeypatch):
     """Offloaded full-storage layers stage their write-backs on the CPU as they would on CUDA."""
-    monkeypatch.setattr(Offload, "_defers", lambda self, key: self.deferred)
-    monkeypatch.setattr(Offload, "_staging", lambda self, k, v: [torch.empty_like(k), torch.empty_like(v)])
+    monkeypatch.setattr(writeback, "defers", lambda layer, key: layer.deferred)
+    monkeypatch.setattr(writeback, "staging", lambda k, v: [torch.empty_like(k), torch.empty_like(v)])
 
-    def write_back(self, key, value, host_k, host_v):
+    def write_back(layer, key, value, host_k, host_v):
         host_k.copy_(key)
         host_v.copy_(value)
-        self.staged.append((host_k, host_v, InFlight()))
+        layer.staged.append((host_k, host_v, InFlight()))
 
-    monkeypatch.setattr(Offload, "_write_back", write_back)
+    monkeypatch.setattr(writeback, "write_back", write_back)
 
 
 def feed(caches, steps=(9, 1, 1, 1), seed=0):
@@ -132,6 +133,15 @@ def test_replacing_the_host_copy_drops_nothing_into_the_new_state(deferred, op):
         assert not layer.staged
     same(cache, other)  # the next use would have appended the old staged tokens
     assert cache.get_seq_length() == 5
+    cache.close()
+
+
+def test_peek_reads_every_staged_token(deferred):
+    cache, ref = filled()
+    for i, layer in enumerate(cache.layers):
+        k, v = layer.peek()
+        assert torch.equal(k, ref.layers[i].keys) and torch.equal(v, ref.layers[i].values)
+        assert layer.is_initialized
     cache.close()
 
 

@@ -6,6 +6,7 @@ Interface (used by ``Quantize``)
     guard.settle()                            wait for every flag, then ``surface()`` (lifecycle)
     guard.crop_to(seen), guard.reset()        follow the layer's crops and resets
     guard.pending()                           flags not yet read (tests)
+    describe(key, value, seen, group) -> str  where the first non-finite value of an update is
 
 One NaN would poison the scale of a whole quantization group, so the layer refuses them.
 - CPU (and any device without streams): ``max |x|`` over the new tokens is read at once (NaN and
@@ -85,3 +86,17 @@ class FiniteGuard:
 
     def pending(self) -> int:
         return len(self.flags)
+
+
+def describe(key: torch.Tensor, value: torch.Tensor, seen: int, group: int) -> str:
+    """The refusal of an update (its first token at position ``seen``): where, and why."""
+    where = "an unknown place"
+    for name, t in (("keys", key), ("values", value)):
+        bad = (~torch.isfinite(t)).nonzero()
+        if len(bad):
+            b, h, tok, d = (int(x) for x in bad[0])
+            where = (f"{name}[batch {b}, head {h}, token {tok} of this update (position {seen + tok}), "
+                     f"dim {d}] ({len(bad)} non-finite of this update's {t.numel()} {name} elements)")
+            break
+    return (f"non-finite values in keys/values at {where}; quantized caches refuse them because one NaN "
+            f"would corrupt a whole group of {group} tokens; use a full-precision policy to keep them")

@@ -35,18 +35,10 @@ Without CUDA the compute device and the host are both the CPU: every copy still 
 the same code (fetch, append, write-back), with no stream or event, and results are
 bit-identical to a resident layer.
 
-Write-back on CUDA (``deferred``: full storage in pinned host memory, the ``cpu`` tier): the new
-tokens are copied into a pinned staging pair on the prefetcher's side stream (after it waits for
-the compute stream; ``record_stream`` keeps their device memory alive), with an event; the
-update returns at once, no host sync. The staged tokens join the host layer when the event has
-landed, at the layer's next use at the latest (``update``, ``kv``, a fetch of its mirror, any
-host-side or lifecycle operation, ``nbytes``): ``_settle`` reads the event with ``query()`` and only blocks
-(counted in ``Prefetcher.host_waits``) when the copy is still in flight. A fetch after that reads
-the whole host copy on the same side stream, so it is ordered after the write-back.
-``seq_length`` and ``mask_sizes`` count the staged tokens. An error from the host tier (a CUDA
-error of the copy, the host buffer that cannot grow) raises ``CacheError`` naming the layer when
-it surfaces. Disk, sliding and static host layers copy synchronously (one event wait per
-update): their update reads or moves host memory at once.
+Write-back (``tiercache.processors.writeback``): on CUDA, for full storage in pinned host memory
+(``deferred``), the new tokens reach the host layer without a host sync and join it at the
+layer's next use at the latest: every use, host-side and lifecycle operation calls ``_settle``
+first; ``seq_length`` and ``mask_sizes`` count the staged tokens. Elsewhere it is synchronous.
 """
 
 from __future__ import annotations
@@ -59,6 +51,7 @@ from tiercache.layers.buffer import capacity_for
 from tiercache.layers.spec import check_pair
 from tiercache.layers.state import expect, nest, part
 from tiercache.policy import OffloadPolicy
+from tiercache.processors import writeback
 from tiercache.processors.prefetch import Prefetcher
 from tiercache.tiers import HostTier
 
@@ -125,15 +118,15 @@ class Offload(KVLayer):
             raise CacheError(f"device: the layer computes on {self.device}, the update is on {key.device}")
         t = key.shape[2]
         self._settle()  # earlier write-backs join the host layer first (they may regrow it)
-        defer = self._defers(key)
-        host_k, host_v = self._staging(key, value) if defer else self._to_host(key, value)  # [B, H, T, D] on the CPU
+        defer = writeback.defers(self, key)
+        host_k, host_v = writeback.staging(key, value) if defer else writeback.to_host(key, value)  # [B, H, T, D] on the CPU
         self.inner.validate_update(host_k, host_v)  # shape, dtype, batch, room: before the mirror changes
         self.device = key.device
         self.prefetcher.acquire(self, room=t)  # may raise CacheError (device memory): nothing changed
         if self.k is None or self.lo + self.held + t > self.k.shape[2]:
             self._make_room(key, value)  # likewise, before the host copy changes
         if defer:  # full storage: it will show every held token
-            self._write_back(key, value, host_k, host_v)
+            writeback.write_back(self, key, value, host_k, host_v)
             shown = self.held + t
         else:
             out = self.inner.update(host_k, host_v)  # may still raise (disk full): the mirror holds the same tokens
@@ -152,11 +145,11 @@ class Offload(KVLayer):
         return result
 
     def seq_length(self) -> int:
-        return self.inner.seq_length() + self._staged_tokens()
+        return self.inner.seq_length() + writeback.staged_tokens(self)
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
         kv_length, offset = self.inner.mask_sizes(query_length)
-        return kv_length + self._staged_tokens(), offset  # staged only on full storage: no window offset
+        return kv_length + writeback.staged_tokens(self), offset  # staged only on full storage: no window offset
 
     def max_length(self) -> int:
         return self.inner.max_length()
@@ -205,6 +198,7 @@ class Offload(KVLayer):
         """A copy of the host copy on the compute device, read through the wrapped layer's
         ``peek()``: no slot acquired, no mirror evicted, no prefetch started. Costs one host ->
         device copy of the layer (a disk tier: a read of its files) per call."""
+        self._settle()  # the host copy holds every token (a staged write-back joins it first)
         held = self.inner.peek()
         if held is None:
             return None
@@ -213,7 +207,7 @@ class Offload(KVLayer):
 
     @property
     def is_initialized(self) -> bool:
-        return self.inner.is_initialized
+        return bool(self.staged) or self.inner.is_initialized  # a staged first update counts
 
     def nbytes(self) -> dict[str, int]:
         self._settle()
@@ -259,7 +253,7 @@ class Offload(KVLayer):
         check_pair(key, value)
         self._settle()
         self.prefetcher.evict(self)
-        host_k, host_v = self._to_host(key, value) if key.shape[2] else (key.cpu(), value.cpu())
+        host_k, host_v = writeback.to_host(key, value) if key.shape[2] else (key.cpu(), value.cpu())
         self.inner.ingest(host_k, host_v, seen)
         self.device = key.device
 
@@ -310,68 +304,13 @@ class Offload(KVLayer):
         return _bytes(hk) + _bytes(hv)
 
     # -- internals --------------------------------------------------------------------------
+    def _settle(self) -> None:
+        writeback.settle(self)
+
     def _on_host(self, method: str, *args) -> None:
         self._settle()
         self.prefetcher.evict(self)  # waits for any fetch reading the host copy
         getattr(self.inner, method)(*args)
-
-    def _to_host(self, key: torch.Tensor, value: torch.Tensor):
-        """The new tokens on the CPU: the tensors themselves on CPU, else a pinned copy, waited for."""
-        if key.device.type == "cpu":
-            return key, value
-        out = []
-        for t in (key, value):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            out.append(host)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(key.device))
-        done.synchronize()
-        return out
-
-    def _defers(self, key: torch.Tensor) -> bool:
-        """Whether this update's write-back is staged (CUDA, full storage in host memory)."""
-        return self.deferred and key.is_cuda
-
-    def _staging(self, key: torch.Tensor, value: torch.Tensor):
-        """Pinned host tensors shaped like ``key`` / ``value``, for their write-back."""
-        return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (key, value)]
-
-    def _write_back(self, key, value, host_k, host_v) -> None:
-        """Enqueue the device -> host copy of the new tokens on the side stream; no host sync."""
-        stream = self.prefetcher.side_stream(key.device)
-        stream.wait_stream(torch.cuda.current_stream(key.device))  # the tokens are written on the compute stream
-        with torch.cuda.stream(stream):
-            host_k.copy_(key, non_blocking=True)
-            host_v.copy_(value, non_blocking=True)
-        for t in (key, value):
-            t.record_stream(stream)  # their memory is not reused before the copy has read it
-        done = torch.cuda.Event()
-        done.record(stream)
-        self.staged.append((host_k, host_v, done))
-
-    def _staged_tokens(self) -> int:
-        return sum(k.shape[2] for k, _, _ in self.staged)
-
-    def _settle(self) -> None:
-        """Append the landed write-backs to the host layer (blocking only on one still in flight)."""
-        while self.staged:
-            host_k, host_v, done = self.staged[0]
-            try:
-                if not done.query():
-                    self.prefetcher.host_waits += 1
-                    done.synchronize()
-            except RuntimeError as e:  # a CUDA error of the copy
-                self.staged = []
-                raise CacheError(f"offload: the write-back of layer {self.index}'s new tokens to the host failed "
-                                 f"({e}); reset the cache") from e
-            self.staged.pop(0)
-            try:
-                self.inner.update(host_k, host_v)
-            except CacheError as e:
-                self.staged = []
-                raise CacheError(f"offload: layer {self.index}'s host copy could not take its new tokens ({e}); "
-                                 "its device copy has them, the host copy does not: reset the cache") from None
 
     def _append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write the new tokens after the held ones in the mirror (device to device)."""

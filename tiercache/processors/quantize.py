@@ -73,7 +73,7 @@ from tiercache.layers.spec import KVSpec
 from tiercache.processors import backends
 from tiercache.processors import quantize_state
 from tiercache.processors.blocks import BlockCodec
-from tiercache.processors.finite import FiniteGuard
+from tiercache.processors.finite import FiniteGuard, describe
 from tiercache.processors.residual import Residual
 
 
@@ -126,7 +126,7 @@ class Quantize(KVLayer):
                 f"static storage is full: it holds {self.seen} of max_length={self.limit} tokens and "
                 f"cannot take {t} more; raise max_length in the policy or use storage: full"
             )
-        self.finite.check(key, value, self.seen, lambda: self._non_finite(key, value))  # no host sync on CUDA
+        self.finite.check(key, value, self.seen, lambda: describe(key, value, self.seen, self.g))  # no host sync on CUDA
         codecs = self.codecs or self._codecs(spec)
         held = len(self.residual)
         flush = flush_split(held, t, self.r, self.g)  # oldest tokens to pack now
@@ -267,6 +267,7 @@ class Quantize(KVLayer):
         (a sliding layer: the tokens a ``SlidingLayer`` keeps, the last ``window - 1`` plus those
         recorded since the last crop); the store is read through its ``peek()``, so nothing is fetched, evicted or
         written (not even the workspace or a codec's remembered views)."""
+        self.finite.surface()  # a landed non-finite flag refuses, as kv() does
         if self.spec is None:
             return None
         blocks = self.store.peek() if self.stored else None
@@ -388,17 +389,6 @@ class Quantize(KVLayer):
                     at += count - lo
                 lo = max(lo - count, 0)
         return outs[0], outs[1]
-
-    def _non_finite(self, key: torch.Tensor, value: torch.Tensor) -> str:
-        for name, t in (("keys", key), ("values", value)):
-            bad = (~torch.isfinite(t)).nonzero()
-            if len(bad):
-                b, h, tok, d = (int(x) for x in bad[0])
-                where = (f"{name}[batch {b}, head {h}, token {tok} of this update (position {self.seen + tok}), "
-                         f"dim {d}] ({len(bad)} non-finite of this update's {t.numel()} {name} elements)")
-                break
-        return (f"non-finite values in keys/values at {where}; quantized caches refuse them because one NaN "
-                f"would corrupt a whole group of {self.g} tokens; use a full-precision policy to keep them")
 
     def _gather(self, op: str | None, index: torch.Tensor) -> None:
         if op is not None and self.stored:

@@ -32,6 +32,7 @@ import math
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.processors.finite import describe
 from tiercache.layers.state import check_ingest, expect, field, nest, part, spec_from, spec_state
 
 
@@ -97,7 +98,7 @@ def ingest(q, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
                          "raise max_length in the policy or use storage: full")
     if key.shape[2] and not math.isfinite(float(torch.maximum(
             torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf)))):
-        raise CacheError(q._non_finite(key, value))
+        raise CacheError(describe(key, value, seen - key.shape[2], q.g))
     g = q.g
     r = seen - flush_split(0, seen, q.r, g)  # residual tokens (KIVI rule)
     total = (seen - r) // g  # blocks a fed layer packed
