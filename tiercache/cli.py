@@ -4,14 +4,18 @@
     tiercache plan POLICY --model M --context N --batch B [--weights int4] [--device cpu] [--prefill-chunk N]
                    [--encoder-length N]            (encoder-decoder models: cross-attention K/V counted)
     tiercache generate --model M --policy POLICY (--prompt TEXT | --prompt-file F) [--max-new-tokens N]
-                       [--prefill-chunk N]             chunked prefill (tiercache.prefill), then decode
+                       [--prefill-chunk N] [--chat | --no-chat]
+                                                    chunked prefill (tiercache.prefill), then decode
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
     tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
                                                     the OpenAI-compatible server (tiercache.serve)
 
-``--model`` takes ``tiny`` (the built-in trained tiny model, no network), ``tiny-random``, a
+``--model`` takes a built-in name (``tiercache.bench.builtin``: ``tiny``, the trained tiny model,
+no network; ``tiny-random``; ``smollm2-135m``, SmolLM2-135M-Instruct from the ``real`` extra), a
 preset shape for ``plan`` / ``validate`` (``Llama-3-8B`` ...), a local path or a hub id.
-``generate`` needs weights, so it takes no preset.
+``generate`` needs weights, so it takes no preset. It wraps the prompt in the model's chat
+template (one user turn, then the assistant's turn) when the tokenizer has one; ``--no-chat``
+feeds the raw text, ``--chat`` insists (an error when there is no template).
 
 Errors: ``tiercache <command>: error: ...`` on stderr and exit 1 (``validate`` prints the
 PolicyError on stdout, as its answer); malformed flag values are argparse's usage errors (exit 2).
@@ -98,8 +102,14 @@ def _generate(args) -> int:
         model, tok = load_model(args.model)
     except ModelLoadError as e:
         return _error("generate", str(e))
+    chat = getattr(tok, "chat_template", None) is not None if args.chat is None else args.chat
+    if chat and getattr(tok, "chat_template", None) is None:
+        return _error("generate", f"--chat: model {args.model!r} has no chat template; drop --chat")
     if isinstance(tok, ByteTokenizer):
         ids = torch.tensor([tok.encode(prompt)], dtype=torch.long)  # [1, T]
+    elif chat:  # the prompt as one user turn, then the assistant's turn begins
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
@@ -119,7 +129,8 @@ def _generate(args) -> int:
                    do_sample=args.sample, pad_token_id=getattr(tok, "pad_token_id", None))
     elapsed = time.perf_counter() - start
     new = out.shape[1] - ids.shape[1]
-    print(tok.decode(out[0, ids.shape[1]:]))
+    new_ids = out[0, ids.shape[1]:]
+    print(tok.decode(new_ids) if isinstance(tok, ByteTokenizer) else tok.decode(new_ids, skip_special_tokens=True))
     print("---")
     sizes = ", ".join(f"{place}: {n / 2**20:.2f} MiB" for place, n in sorted(cache.nbytes().items()))
     print(f"policy {cache.policy.name}: {ids.shape[1]} prompt tokens (prefill chunks of {planned.prefill_chunk}), "
@@ -155,10 +166,11 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="check a policy file")
     v.add_argument("policy")
-    v.add_argument("--model", help="also check overrides against this model (tiny, tiny-random, preset, path or hub id)")
+    v.add_argument("--model", help="also check overrides against this model (tiny, tiny-random, smollm2-135m, preset, path or hub id)")
     pl = sub.add_parser("plan", help="bytes per tier of a policy for a model, context and batch")
     pl.add_argument("policy")
-    pl.add_argument("--model", required=True, help="tiny, tiny-random, a preset (Llama-3-8B ...), a path or hub id")
+    pl.add_argument("--model", required=True,
+                    help="tiny, tiny-random, smollm2-135m, a preset (Llama-3-8B ...), a path or hub id")
     pl.add_argument("--context", type=positive_int, required=True)
     pl.add_argument("--batch", type=positive_int, default=1)
     pl.add_argument("--weights", choices=FORMATS, default=None, help="weights format (default: the model's dtype)")
@@ -168,7 +180,10 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--encoder-length", type=positive_int, default=None,
                     help="encoder-decoder models: encoder output tokens, to count cross-attention K/V")
     g = sub.add_parser("generate", help="generate text with a policy")
-    g.add_argument("--model", default="tiny", help="tiny (default), tiny-random, a local model directory or a hub id")
+    g.add_argument("--model", default="tiny",
+                   help="tiny (default), tiny-random, smollm2-135m (the 'real' extra), a local model directory or a hub id")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template as a user turn (default: when the model has one)")
     g.add_argument("--policy", default=None, help="policy YAML (default: full precision)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the text to continue")

@@ -26,7 +26,9 @@ sliding buffer can be one slack smaller.
   store keeps ``ceil((window - 1) / group_size) + 1`` blocks; a static one ``max_length // G``.
   The quantized layers share one workspace (``chain.Shared.workspace``): the K/V a decode step
   returns for the layer that returns the most (``tokens``; a sliding layer ``min(tokens,
-  window)``), in whole CHUNKs of tokens.
+  window)``), in whole CHUNKs of tokens. Attention sinks (``sink_tokens = N``, full-attention
+  layers): the first ``min(tokens, N)`` tokens held exactly beside the residual, which then
+  follows ``r(tokens - N)``.
 - KV sharing (``ModelSpec.kv_sharing``): a ``reuse`` layer never updates, so it holds nothing; a
   ``store`` layer's quantized K/V are returned in fresh tensors, not in the shared workspace.
 - per-layer shapes: every formula takes the layer's ``(kv_heads, key_dim, value_dim)``
@@ -143,7 +145,9 @@ def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) 
             return Footprint({"device": fp}, kept)
         return Footprint({cold: fp}, kept, _fp_bytes(model, i, batch, _mirror_tokens(cap, kept)))
     q = lp.quantize
-    packed, residual = quantize_split(q, tokens)
+    sinks = 0 if lp.storage == "sliding" and lp.window else min(tokens, q.sink_tokens)  # exact, on the device
+    packed, residual = quantize_split(q, tokens - sinks)
+    residual += sinks
     blocks = packed // q.group_size
     chunk = STORE_CHUNK
     window = -(-(lp.window - 1) // q.group_size) + 1 if lp.storage == "sliding" and lp.window else None

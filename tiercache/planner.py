@@ -212,17 +212,17 @@ def tier_bytes(nbytes: dict, device) -> dict[str, int]:
 # -- models ----------------------------------------------------------------------------------------
 
 def resolve_model(model: str) -> ModelSpec:
-    """A preset name (any case), the built-in tiny model (``tiny``, ``tiny-random``), a local dir /
+    """A preset name (any case), a built-in model (``tiercache.bench.builtin.NAMES``), a local dir /
     config.json (read as JSON), or a hub id."""
     key = str(model).lower()
     if key in PRESETS:
         return PRESETS[key]
-    if key in ("tiny", "tiny-random"):  # tiercache.bench.tiny's built-in models (no network)
+    from tiercache.bench import builtin
+
+    if key in builtin.NAMES:  # the built-in models (no network, no weights needed)
         from dataclasses import replace
 
-        from tiercache.bench.tiny import model_config
-
-        return replace(ModelSpec.from_config(model_config(key)), name=key)
+        return replace(ModelSpec.from_config(builtin.config(key)), name=key)
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -296,7 +296,8 @@ def _form(lp, spec: ModelSpec) -> str:
     if q is None:
         return f"{_dtype_name(spec)} {storage}"
     kind = "fp8" if q.format == "fp8" else f"int{q.bits}"
-    return f"{kind} {q.backend} g{q.group_size} r{q.residual_length} K:{q.key_axis} V:{q.value_axis}, {storage}"
+    extra = (f" sinks{q.sink_tokens}" if q.sink_tokens else "") + (f" clip:{q.clip}" if q.clip != "minmax" else "")
+    return f"{kind} {q.backend} g{q.group_size} r{q.residual_length} K:{q.key_axis} V:{q.value_axis}{extra}, {storage}"
 
 
 def _place(lp) -> str:

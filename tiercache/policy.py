@@ -72,6 +72,8 @@ class QuantizePolicy:
     key_axis: Literal["channel", "token"] = "channel"
     value_axis: Literal["channel", "token"] = "token"
     format: Literal["int", "fp8"] = "int"
+    sink_tokens: int = 0  # the first tokens seen stay in full precision (attention sinks); full-attention layers
+    clip: Literal["minmax", "mse"] = "minmax"  # per-group range: min/max, or searched for least squared error
 
 
 @dataclass(frozen=True)
@@ -355,7 +357,7 @@ def _offload_sections(p: Policy):
 
 
 def _check_quantize(q: QuantizePolicy, where: str) -> None:
-    for name in ("group_size", "residual_length"):
+    for name in ("group_size", "residual_length", "sink_tokens"):
         v = getattr(q, name)
         if v < (1 if name == "group_size" else 0):
             raise PolicyError(f"{where}.{name}: must be {'>= 1' if name == 'group_size' else '>= 0'}, got {v}")

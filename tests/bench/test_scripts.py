@@ -28,6 +28,10 @@ SCRIPTS = [
     pytest.param("bench_lifecycle.py", ["--layers", "2", "--context", "64", "--kv-heads", "2", "--head-dim", "16",
                                         "--repeats", "1", "--policies", "fp,int4,int4-host,disk"],
                  ["| int4-host | ", "| fp | ", "retier s/GiB", "bench_lifecycle.json"], id="lifecycle"),
+    pytest.param("bench_real.py", ["--model", "tiny", "--prompt", "96", "--tokens", "4", "--contexts", "400",
+                                   "--depths", "0.5", "--greedy-tokens", "2", "--threads", "1",
+                                   "--setups", "DynamicCache,int2 +sinks +clip,QuantizedCache quanto int2"],
+                 ["| int2 +sinks +clip |", "| QuantizedCache quanto int2 |", "Pass-key retrieval"], id="real"),
 ]
 
 

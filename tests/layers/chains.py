@@ -7,6 +7,8 @@ K/V, one update per entry of ``steps`` (token counts), and returns the pairs fed
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tiercache.chain import Shared, build_layer
@@ -37,6 +39,7 @@ CHAINS = {
     "int4-host": lambda p: lp(quantize=Q4, offload=HOST),
     "int4-disk": lambda p: lp(quantize=Q4, offload=OffloadPolicy(device="disk", path=str(p))),
     "int4-sliding-host": lambda p: lp("sliding", window=7, quantize=Q4, offload=HOST),
+    "int2-sinks-clip": lambda p: lp(quantize=dataclasses.replace(Q2T, sink_tokens=3, clip="mse")),
 }
 
 

@@ -12,6 +12,7 @@ POLICIES = {
     "disk": {"offload": {"device": "disk"}},
     "int4": {"quantize": Q},
     "int2-token": {"quantize": {**Q, "bits": 2, "key_axis": "token"}},
+    "int2-sinks-clip": {"quantize": {**Q, "bits": 2, "sink_tokens": 3, "clip": "mse"}},
     "hqq": {"quantize": {**Q, "backend": "hqq"}},
     "int4-host": {"quantize": Q, "offload": {"device": "cpu"}},
     "int4-disk": {"quantize": Q, "offload": {"device": "disk"}},

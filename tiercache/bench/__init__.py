@@ -3,7 +3,11 @@
 Modules: ``corpus`` (stdlib text, the held-out split), ``train`` (the tiny model's recipe),
 ``tiny`` (models, byte tokenizer, held-out ids), ``setups`` (policies and transformers baselines
 as rows), ``quality`` (teacher-forced perplexity, agreement), ``runner`` (one row's measurements),
-``report`` (markdown, JSON, PNG), ``command`` (argument parsing and the run).
+``report`` (markdown, JSON, PNG), ``command`` (argument parsing and the run);
+``builtin`` (the built-in model names), ``real`` (SmolLM2-135M-Instruct, converted once).
+The real-model benchmark (``bench/bench_real.py``): ``texts`` (code and prose ids), ``seeded``
+(prefill once, seed every cache), ``forced`` (teacher-forced decoding), ``retrieval`` (pass key),
+``sensitivity`` (per-layer cost, mixed precision), ``realbench`` (the run), ``real_report``.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     CPU-offloaded policy against transformers' DynamicCache and QuantizedCache (quanto, hqq) on
     the tiny trained model):
 
-    --model NAME          ``tiny`` (default; the trained byte-level Llama), ``tiny-random``, or a
-                          local path / hub id.
+    --model NAME          ``tiny`` (default; the trained byte-level Llama), ``tiny-random``,
+                          ``smollm2-135m`` (the ``real`` extra), or a local path / hub id.
     --policies P [P ...]  policy YAML paths (default: the demo set, from ``configs/`` when present).
     --baselines LIST      comma-separated transformers caches: dynamic, dynamic-offload (CUDA
                           only), quanto-int4, quanto-int2, hqq-int4, hqq-int2; ``none`` for none

@@ -53,7 +53,7 @@ def device_name(text: str) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiercache bench", description="KV cache trade-offs: speed, memory, quality.")
-    p.add_argument("--model", default="tiny", help="tiny | tiny-random | local path | hub id")
+    p.add_argument("--model", default="tiny", help="tiny | tiny-random | smollm2-135m | local path | hub id")
     p.add_argument("--policies", nargs="*", default=None, help="policy YAML paths (default: the demo set)")
     p.add_argument("--baselines", type=baseline_names, default=",".join(setups.DEFAULT_BASELINES),
                    help=f"comma-separated, or 'none'; from: {', '.join(setups.BASELINES)}")

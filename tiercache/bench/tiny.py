@@ -1,9 +1,10 @@
 """The built-in models of the benchmark, their byte tokenizer and the held-out evaluation text.
 
 Interface
-- ``load_model(name, device="cpu", dtype=torch.float32) -> (model, tokenizer)``: ``"tiny"`` (the
-  trained tiny byte-level Llama shipped in ``tiercache/bench/data/``), ``"tiny-random"`` (the same
-  shape, randomly initialised, seed 0), or a local path / hub id (``AutoModelForCausalLM``).
+- ``load_model(name, device="cpu", dtype=torch.float32) -> (model, tokenizer)``: a built-in name
+  (``tiercache.bench.builtin``: ``"tiny"``, the trained tiny byte-level Llama shipped in
+  ``tiercache/bench/data/``; ``"tiny-random"``, the same shape randomly initialised, seed 0;
+  ``"smollm2-135m"``, ``tiercache.bench.real``), or a local path / hub id (``AutoModelForCausalLM``).
   ``ModelLoadError`` (a ``ValueError``) when the name is none of these (a planning preset such as
   ``Llama-3-8B``, a missing path, an unreachable hub id), saying what is accepted.
 - ``TINY_MODELS``: the built-in names; ``model_config(name)``: the transformers config of one,
@@ -123,8 +124,8 @@ def model_config(name: str):
     return LlamaConfig.from_dict(json.loads((found / META).read_text())["config"]) if found else tiny_config()
 
 
-_ACCEPTED = ("'tiny' (the built-in trained model), 'tiny-random', a local model directory, "
-             "or a hub id (needs network or a local hub cache)")
+_ACCEPTED = ("'tiny' (the built-in trained model), 'tiny-random', 'smollm2-135m' (a real chat model, the "
+             "'real' extra), a local model directory, or a hub id (needs network or a local hub cache)")
 
 
 def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -133,10 +134,13 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     ``ModelLoadError`` when ``name`` is none of these: a planning preset (shape only, no
     weights), a path that does not exist, or a directory / hub id transformers cannot load.
     """
-    if name == "tiny":
-        model, tok = load_tiny(), ByteTokenizer()
-    elif name == "tiny-random":
-        model, tok = tiny_random(), ByteTokenizer()
+    from tiercache.bench import builtin
+
+    if name in builtin.NAMES:
+        try:
+            return builtin.load(name, device, dtype)
+        except ValueError as e:  # the real extra missing (real.MissingExtra)
+            raise ModelLoadError(str(e)) from e
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -61,6 +61,11 @@ residual may hold fewer than ``r(n)`` tokens; the flush rule above applies from 
 of ``seq_length()`` tokens or more empties the layer (transformers' ``DynamicLayer``), even a
 sliding one whose window dropped blocks (the empty result is exact); ``keys`` / ``values``
 (``peek``) dequantize the whole history into fresh tensors on each read.
+
+Attention sinks (``sink_tokens = N``, full-attention layers only: a sliding window slides them
+out): the first ``N`` tokens seen are kept apart in full precision, never quantized, and returned
+first, bit-identical; the residual rule above runs on the tokens after them (``r(n - N)``). A crop
+reaching into them removes the newest of them; the next tokens refill them.
 """
 
 from __future__ import annotations
@@ -108,6 +113,8 @@ class Quantize(KVLayer):
         else:
             self.store = make_store(chunk=chunk)
         self.residual = Residual()  # [B, H, r, D], r < max(R, G)
+        self.sinks = Residual()  # [B, H, s, D], s <= N: the first tokens, exact
+        self.n_sinks = 0 if window is not None else config.sink_tokens
         self.spec: KVSpec | None = None
         self.codecs: tuple[BlockCodec, BlockCodec] | None = None
         self.seen = 0  # tokens seen (positions), including any slid out of a window
@@ -127,6 +134,9 @@ class Quantize(KVLayer):
                 f"cannot take {t} more; raise max_length in the policy or use storage: full"
             )
         self.finite.check(key, value, self.seen, lambda: describe(key, value, self.seen, self.g))  # no host sync on CUDA
+        sink = min(self.n_sinks - len(self.sinks), t)  # the first tokens seen stay exact
+        full = key, value
+        key, value, t = key.narrow(2, sink, t - sink), value.narrow(2, sink, t - sink), t - sink
         codecs = self.codecs or self._codecs(spec)
         held = len(self.residual)
         flush = flush_split(held, t, self.r, self.g)  # oldest tokens to pack now
@@ -142,6 +152,8 @@ class Quantize(KVLayer):
             blocks = self._held_blocks()
         # bound to this shape only once the store accepted: a refused first update leaves the layer as new
         self.codecs, self.spec = codecs, spec
+        if sink:
+            self.sinks.replace(0, full[0].narrow(2, 0, sink), full[1].narrow(2, 0, sink))
         if blocks is not None:
             n = self.store.seq_length() if self.limit is not None else blocks[0].shape[2]
             n -= flush // self.g  # blocks packed just now are still in hand at full precision
@@ -150,9 +162,9 @@ class Quantize(KVLayer):
         out = self._assemble(blocks, (key, value), None if self.window is None else self.window - 1 + t)
         rest = flush - taken  # new tokens that stay in the residual start here
         self.residual.replace(taken, key.narrow(2, rest, t - rest), value.narrow(2, rest, t - rest))
-        self.seen += t
+        self.seen += t + sink
         if self.window is not None and self.recording:
-            self.recorded += t
+            self.recorded += t + sink
         return out
 
     def seq_length(self) -> int:
@@ -171,7 +183,9 @@ class Quantize(KVLayer):
 
     def validate_crop(self, n: int) -> None:
         n = check_crop(n, self.seen)  # past the start: every token (transformers empties the layer)
-        if len(self.residual) < n < self.seen:  # (emptying the layer is always exact)
+        after = self.seen - len(self.sinks)  # tokens after the sinks; a crop past them takes sinks too
+        n = min(n, after)
+        if len(self.residual) < n < after:  # (emptying everything after the sinks is always exact)
             self._crop_blocks(n)
 
     def _crop_blocks(self, n: int):
@@ -199,20 +213,27 @@ class Quantize(KVLayer):
         return drop, keep, blocks, have
 
     def crop(self, n: int) -> None:
-        n = check_crop(n, self.seen)
+        n = check_crop(n, self.seen)  # past the start: every token (transformers empties the layer)
+        extra = max(0, n - (self.seen - len(self.sinks)))  # the newest sinks go too
+        self._crop_after_sinks(n - extra)
+        self.sinks.truncate(extra)
+        self.seen -= extra
+        self.finite.crop_to(self.seen)  # every path: a flag of a dropped update no longer counts
+
+    def _crop_after_sinks(self, n: int) -> None:
         held = len(self.residual)
-        if n and n == self.seen:  # everything, whatever a window dropped
+        if n and n == self.seen - len(self.sinks):  # everything after the sinks, whatever a window dropped
             if self.stored:
                 self.store.crop(self.store.seq_length())
             self.residual.clear()
-            self.seen = self.recorded = 0
+            self.seen -= n
+            self.recorded = 0
             return
         if n <= held:
             if self.stored:
                 self.store.crop(0)  # a sliding store trims what it kept for a rollback
             self.residual.truncate(n)
             self.seen -= n
-            self.finite.crop_to(self.seen)
             self.recorded = 0
             return
         drop, keep, blocks, have = self._crop_blocks(n)
@@ -229,7 +250,6 @@ class Quantize(KVLayer):
             device = self.spec.device
             self.residual.replace(0, restored[0][:, :, :keep].to(device), restored[1][:, :, :keep].to(device))
         self.seen -= n
-        self.finite.crop_to(self.seen)
         self.recorded = 0
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
@@ -251,13 +271,14 @@ class Quantize(KVLayer):
         self.store.reset()
         self.residual.clear()
         self.finite.reset()
+        self.sinks.clear()
         self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
 
     @torch.no_grad()
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Fresh tensors (never the workspace): callers may keep them."""
         self.finite.surface()
-        if self.spec is None or (not len(self.residual) and self._held_blocks() is None):
+        if self.spec is None or (not len(self.residual) and not len(self.sinks) and self._held_blocks() is None):
             return None
         return self._assemble(self._held_blocks(), None, None, workspace=False)
 
@@ -284,7 +305,7 @@ class Quantize(KVLayer):
 
     def tier_nbytes(self) -> dict[str, int]:
         out = dict(self.store.tier_nbytes())
-        for size in self.residual.nbytes().values():
+        for size in (*self.residual.nbytes().values(), *self.sinks.nbytes().values()):
             out["device"] = out.get("device", 0) + size
         return out
 
@@ -313,7 +334,7 @@ class Quantize(KVLayer):
 
     def nbytes(self) -> dict[str, int]:
         out = dict(self.store.nbytes())
-        for place, size in self.residual.nbytes().items():
+        for place, size in (*self.residual.nbytes().items(), *self.sinks.nbytes().items()):
             out[place] = out.get(place, 0) + size
         return out
 
@@ -337,6 +358,7 @@ class Quantize(KVLayer):
         self.store.close()
         self.residual.clear()
         self.finite.reset()
+        self.sinks.clear()
         for codec in self.codecs or ():
             codec.forget()
         self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
@@ -364,7 +386,8 @@ class Quantize(KVLayer):
             blocks = None if blocks is None else (blocks[0][:, :, first:], blocks[1][:, :, first:])
             n -= first
             skip -= first * g
-        size = n * g + held + fresh - skip
+        sinks = len(self.sinks)  # 0 on sliding layers, so ``skip`` never reaches them
+        size = sinks + n * g + held + fresh - skip
         shapes = [(s.batch, s.heads, size, s.key_dim), (s.batch, s.heads, size, s.value_dim)]  # [B, H, S, D]
         if workspace and self.shared is not None and (self.window is None or size <= self.window):
             outs = self.shared.workspace(shapes, s.dtype, s.device)
@@ -372,7 +395,9 @@ class Quantize(KVLayer):
             outs = [torch.empty(shape, dtype=s.dtype, device=s.device) for shape in shapes]
         res = self.residual.view() if held else None
         for i, out in enumerate(outs):
-            at, lo = 0, skip
+            at, lo = sinks, skip
+            if sinks:
+                out.narrow(2, 0, sinks).copy_(self.sinks.view()[i])
             if n:
                 rows = blocks[i] if blocks[i].device == s.device else blocks[i].to(s.device, non_blocking=True)
                 if lo:  # the oldest block is only partly visible: decode it aside
@@ -394,4 +419,5 @@ class Quantize(KVLayer):
         if op is not None and self.stored:
             getattr(self.store, op)(index)  # validates before the residual changes
         self.residual.gather(index.to(self.spec.device))
+        self.sinks.gather(index.to(self.spec.device))
         self.spec = self.spec.with_batch(index.numel())

@@ -3,14 +3,15 @@
     (state_dict, export and adopt first settle the FiniteGuard: a poisoned layer raises its
     pending CacheError and is never saved, forked or moved)
     state_dict(q)            kind, config (the block format), window / max_length, spec, seen,
-                             stored, recorded, ``residual.keys`` / ``residual.values`` and ``store.*`` (the
+                             stored, recorded, ``residual.*``, ``sinks.*`` (attention sinks) and ``store.*`` (the
                              packed blocks as held: codes and scales, never dequantized)
     load_state_dict(q, sd)   the same block format only (``CacheError`` otherwise)
     export(q)                (keys, values, seen): blocks dequantized into fresh tensors + residual
     ingest(q, k, v, seen)    the state a layer fed ``seen`` tokens ending with ``k, v`` holds under
-                             the KIVI residual rule: ``r(seen)`` newest tokens in the residual, the
-                             older ones in whole blocks (block boundaries are multiples of
-                             ``group_size`` from position 0), each block quantized from its
+                             the KIVI residual rule: the first ``sink_tokens`` exact (full layers),
+                             ``r(seen - sinks)`` newest tokens in the residual, the older ones in
+                             whole blocks (boundaries multiples of ``group_size`` from the first
+                             token after the sinks), each block quantized from its
                              full-precision values exactly as an update would
     adopt(q, other)          the held state of another Quantize of the same block format; the
                              packed rows move store to store (``store.export()`` ->
@@ -41,7 +42,8 @@ def state_dict(q) -> dict:
     return {"kind": "quantize", "config": dataclasses.asdict(q.config), "window": q.window,
             "max_length": q.limit, "spec": spec_state(q.spec), "seen": q.seen, "stored": q.stored,
             "recorded": q.recorded,
-            **nest("residual.", q.residual.state_dict()), **nest("store.", q.store.state_dict())}
+            **nest("residual.", q.residual.state_dict()), **nest("sinks.", q.sinks.state_dict()),
+            **nest("store.", q.store.state_dict())}
 
 
 def load_state_dict(q, sd: dict) -> None:
@@ -57,6 +59,7 @@ def load_state_dict(q, sd: dict) -> None:
         return
     try:
         q.residual.load_state_dict(part(sd, "residual."), spec)
+        q.sinks.load_state_dict(part(sd, "sinks."), spec)
         q.store.load_state_dict(part(sd, "store."))
     except CacheError:
         q.reset()
@@ -99,6 +102,11 @@ def ingest(q, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
     if key.shape[2] and not math.isfinite(float(torch.maximum(
             torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf)))):
         raise CacheError(describe(key, value, seen - key.shape[2], q.g))
+    sinks = min(seen, q.n_sinks)  # the first tokens stay exact (sliding layers keep none)
+    if sinks:  # a full layer is given every token: the sinks are its first ones
+        sink_k, sink_v = key.narrow(2, 0, sinks), value.narrow(2, 0, sinks)
+        key, value = key.narrow(2, sinks, key.shape[2] - sinks), value.narrow(2, sinks, value.shape[2] - sinks)
+    seen -= sinks
     g = q.g
     r = seen - flush_split(0, seen, q.r, g)  # residual tokens (KIVI rule)
     total = (seen - r) // g  # blocks a fed layer packed
@@ -114,10 +122,12 @@ def ingest(q, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
             rows = [_encode(c, t.narrow(2, 0, kept * g), g) for c, t in zip(codecs, (key, value))]  # [B, H, N, row]
             q.store.ingest(rows[0], rows[1], total)
         q.residual.replace(0, key.narrow(2, kept * g, r), value.narrow(2, kept * g, r))
+        if sinks:
+            q.sinks.replace(0, sink_k, sink_v)
     except CacheError:
         q.reset()
         raise
-    q.spec, q.codecs, q.seen, q.stored = spec, codecs, seen, bool(total)
+    q.spec, q.codecs, q.seen, q.stored = spec, codecs, seen + sinks, bool(total)
 
 
 def adopt(q, other) -> None:
@@ -134,6 +144,8 @@ def adopt(q, other) -> None:
             q.store.ingest(*rows)
         if len(other.residual):
             q.residual.replace(0, *other.residual.view())
+        if len(other.sinks):
+            q.sinks.replace(0, *other.sinks.view())
     except CacheError:
         q.reset()
         raise

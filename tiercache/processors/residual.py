@@ -1,8 +1,11 @@
-"""``Residual``: the newest tokens of a quantized layer in full precision, exactly sized.
+"""``Residual``: tokens of a quantized layer held exactly, in full precision, exactly sized.
 
     Residual()   keys / values ``[B, H, r, D]`` (or None); ``len``, ``view(lo, hi)``,
                  ``replace(drop, key, value)``, ``truncate(n)``, ``gather(index)``, ``clear()``,
                  ``nbytes()``, ``state_dict()`` / ``load_state_dict(sd, spec)``
+
+``Quantize`` keeps two: the KIVI residual (the newest tokens, before they are packed) and the
+attention sinks (the first tokens, never packed).
 """
 
 from __future__ import annotations

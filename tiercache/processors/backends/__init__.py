@@ -45,6 +45,9 @@ def _package_present(package: str) -> bool:
 def validate(config, where: str) -> None:
     if config.backend not in NAMES:
         raise PolicyError(f"{where}.backend: unknown backend {config.backend!r}; allowed: {', '.join(NAMES)}")
+    if getattr(config, "clip", "minmax") != "minmax" and (config.backend != "native" or config.format != "int"):
+        raise PolicyError(f"{where}.clip: {config.clip!r} is a native integer-format option (backend native, "
+                          f"format int); got backend {config.backend!r}, format {config.format!r}; use clip: minmax")
     module = _module(config.backend)
     problem = module.check(config)
     if problem is not None:

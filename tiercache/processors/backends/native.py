@@ -3,7 +3,8 @@
 Integer formats (``bits`` 2, 4, 8): asymmetric min-max per group, ``scale = (max - min) /
 (2**bits - 1)``, ``offset = min``, codes ``round((x - offset) / scale)`` in ``[0, 2**bits)``.
 Scale and offset are rounded to the model dtype *before* the codes are computed, so the codes
-fit the stored metadata exactly. ``format: fp8`` (``bits: 8``): e4m3 codes with a symmetric
+fit the stored metadata exactly. ``clip: mse`` chooses each group's range by a search for the
+least squared error instead (``backends/clip.py``; never worse than min/max). ``format: fp8`` (``bits: 8``): e4m3 codes with a symmetric
 per-group scale ``absmax / 448`` and no offset.
 """
 
@@ -38,8 +39,8 @@ def minmax_affine(x: torch.Tensor, dim: int, bits: int, dtype: torch.dtype):
 class Native:
     code_dtype = torch.uint8
 
-    def __init__(self, bits: int, fp8: bool = False):
-        self.bits = bits
+    def __init__(self, bits: int, fp8: bool = False, clip: str = "minmax"):
+        self.bits, self.clip = bits, clip
         self.fp8 = fp8
         self.has_offset = not fp8
         if fp8:
@@ -52,10 +53,15 @@ class Native:
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
             codes = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
             return codes, scale, None
-        scale, offset = minmax_affine(x, dim, self.bits, x.dtype)
+        if self.clip == "mse":
+            from tiercache.processors.backends.clip import search_affine
+
+            scale, offset = search_affine(x, dim, self.bits, x.dtype)
+        else:
+            scale, offset = minmax_affine(x, dim, self.bits, x.dtype)
         codes = ((x.float() - offset) / scale).round_().clamp_(0, 2**self.bits - 1).to(torch.uint8)
         return codes, scale, offset
 
 
 def make(config) -> Native:
-    return Native(config.bits, fp8=config.format == "fp8")
+    return Native(config.bits, fp8=config.format == "fp8", clip=getattr(config, "clip", "minmax"))

@@ -1,0 +1,105 @@
+"""The trade-off benchmark on a real model (SmolLM2-135M-Instruct by default), tiercache's
+policies and transformers' caches in the same run.
+
+    python bench/bench_real.py                          # the demo size (make demo-real): ~10 min on 2 cores
+    python bench/bench_real.py --tokens 256 --contexts 1024,2048,4096,7168 --depths 0.1,0.3,0.5,0.7,0.9
+    python bench/bench_real.py --sensitivity            # per-layer int2 cost -> configs/<model>/int2-mixed.yaml
+
+Per setup (``tiercache.bench.realbench``): KV bytes, decode tokens/s (teacher-forced steps),
+perplexity on held-out stdlib code and prose after a ``--prompt``-token prefill (``--tokens``
+scored per text, one token per step, so every prediction reads the cache as kept), top-1 and
+greedy agreement with full precision, and pass-key retrieval at several context lengths and
+depths. Group 64, residual 128, keys per channel, values per token for every quantized setup.
+Writes ``real.md``, ``real.json``, ``real.png`` under ``--out``. Timings share the CPU with
+whatever else runs: compare tokens/s within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tiercache
+
+from tiercache.bench import builtin, real_report, realbench, seeded, sensitivity, texts  # noqa: E402
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help=f"a built-in name ({', '.join(builtin.NAMES)}) or a path")
+    p.add_argument("--setups", default=",".join(realbench.DEFAULT), help="comma-separated names from realbench.SETUPS")
+    p.add_argument("--prompt", type=int, default=1024, help="prefill tokens before the scored text")
+    p.add_argument("--tokens", type=int, default=128, help="teacher-forced tokens scored per text")
+    p.add_argument("--texts", default="code,prose")
+    p.add_argument("--greedy-tokens", type=int, default=16)
+    p.add_argument("--contexts", type=_ints, default=[1024, 4096, 6144], help="retrieval context lengths ('' for none)")
+    p.add_argument("--depths", type=_floats, default=[0.3, 0.7])
+    p.add_argument("--retrieval-setups", default=None, help="comma-separated: retrieval for these only (default: all)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="out/real")
+    p.add_argument("--sensitivity", action="store_true", help="measure per-layer cost and write configs/<model>/int2-mixed.yaml")
+    p.add_argument("--upgrade", type=int, default=4, help="--sensitivity: layers kept at int4")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    from tiercache.bench.tiny import ModelLoadError, load_model
+
+    try:
+        model, tok = load_model(args.model)
+    except ModelLoadError as e:
+        print(f"bench_real: error: {e}", file=sys.stderr)
+        return 1
+    if args.sensitivity:
+        return _sensitivity(model, tok, args)
+    names = [n.strip() for n in args.setups.split(",") if n.strip()]
+    rows, meta = realbench.run(model, tok, names, args.prompt, args.tokens, [k for k in args.texts.split(",") if k],
+                               args.greedy_tokens, args.contexts, args.depths, retrieval_names=None if
+                               args.retrieval_setups is None else args.retrieval_setups.split(","))
+    meta.update(model=args.model, device="cpu", dtype="float32", torch=torch.__version__,
+                python=platform.python_version(), cpu=platform.processor() or platform.machine(),
+                date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    paths = real_report.write(rows, meta, args.out)
+    print()
+    print(real_report.markdown(rows, meta))
+    print(f"\n{args.model}, {meta['threads']} threads, {meta['seconds']} s; table {paths['md']}, json {paths['json']}, "
+          f"plot {paths['png']}")
+    return 0
+
+
+def _sensitivity(model, tok, args) -> int:
+    """int2 (sinks + clip) on one layer at a time, on the *train* split (never the evaluation text)."""
+    ids = texts.token_ids(tok, "code", args.prompt + args.tokens, split="train")
+    pre = seeded.prefill(model, ids[: args.prompt])
+    base = {**realbench.K, "bits": 2, "sink_tokens": 4, "clip": "mse"}
+    costs = sensitivity.layer_costs(model, pre, ids[args.prompt:], base,
+                                    tick=lambda i, c: print(f"layer {i}: {100 * c:+.2f}% perplexity", flush=True))
+    policy = sensitivity.mixed(base, costs, {"bits": 4}, args.upgrade, "int2-mixed",
+                               f"int2 KIVI with 4 sinks and clipping search; the {args.upgrade} layers whose int2 cache "
+                               f"cost the most perplexity on {args.model} (bench/bench_real.py --sensitivity) at int4")
+    import yaml
+
+    out = Path(__file__).resolve().parents[1] / "configs" / args.model / "int2-mixed.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(policy, sort_keys=False))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "sensitivity.json").write_text(json.dumps({"model": args.model, "costs": costs}, indent=1))
+    print(f"wrote {out}: layers {policy.get('overrides', [{}])[0].get('layers')} at int4")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

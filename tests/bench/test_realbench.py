@@ -1,0 +1,90 @@
+"""The real-model benchmark's parts on the tiny models: seeding equals prefilling through the cache,
+retrieval samples put the needle where asked, sensitivity and the run's rows are sound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, QuantizedCache
+
+from tiercache import TieredCache
+from tiercache.bench import forced, quality, realbench, retrieval, seeded, sensitivity, texts
+from tiercache.bench.tiny import ByteTokenizer, load_model, tiny_random
+
+POLICY = {"name": "int2-sinks-clip", "quantize": {"bits": 2, "group_size": 16, "residual_length": 32,
+                                                   "sink_tokens": 4, "clip": "mse"}}
+MAKERS = {
+    "dynamic": lambda cfg: DynamicCache(config=cfg),
+    "tiercache": lambda cfg: TieredCache.from_policy(POLICY, cfg),
+    "quanto": lambda cfg: QuantizedCache("quanto", cfg, nbits=2, axis_key=0, axis_value=0, q_group_size=16,
+                                         residual_length=32),
+}
+
+
+@pytest.mark.parametrize("kind", list(MAKERS))
+def test_seeding_equals_prefilling_through_the_cache(kind):
+    model = tiny_random()
+    ids = texts.token_ids(ByteTokenizer(), "code", 150)  # [150]
+    pre = seeded.prefill(model, ids[:120])
+    seeded_cache = seeded.seed(MAKERS[kind](model.config), pre)
+    own = MAKERS[kind](model.config)
+    with torch.no_grad():
+        logits = model(input_ids=ids[None, :120], past_key_values=own, use_cache=True).logits[0, -1]
+    assert torch.equal(logits, pre.logits)
+    a = forced.teacher_forced(model, seeded_cache, pre, ids[120:])
+    b = forced.teacher_forced(model, own, pre, ids[120:])
+    assert torch.equal(a.nll, b.nll) and torch.equal(a.top1, b.top1) and a.steps == 29
+
+
+def test_teacher_forced_matches_the_no_cache_reference():
+    model = tiny_random()
+    ids = texts.token_ids(ByteTokenizer(), "prose", 100)
+    pre = seeded.prefill(model, ids[:70])
+    f = forced.teacher_forced(model, seeded.seed(DynamicCache(config=model.config), pre), pre, ids[70:])
+    nll, top1 = quality.reference(model, ids, 70)
+    torch.testing.assert_close(f.nll, nll, rtol=1e-4, atol=1e-4)
+    assert quality.agreement(f.top1, top1) == 1.0
+
+
+def test_retrieval_samples_hide_the_key_at_the_asked_depth():
+    tok = ByteTokenizer()
+    out = retrieval.samples(tok, [600, 1200], [0.0, 0.5, 1.0], seed=3)
+    assert len(out) == 6 and len({s.key for s in out}) == 6
+    for i, s in enumerate(out):
+        text = tok.decode(s.context)
+        at = text.index(f"The pass key is {s.key}")
+        assert s.length <= [600, 1200][i // 3] and s.length == len(s.context) + len(s.question)
+        before, total = text[:at].count("The grass is green"), text.count("The grass is green")
+        assert total >= 3 and abs(before / total - s.depth) <= 1 / total  # depth within the filler
+        assert "What is the pass key?" in tok.decode(s.question)
+    with pytest.raises(ValueError, match="too short"):
+        retrieval.samples(tok, [50], [0.5])
+
+
+def test_found_reads_digits():
+    assert retrieval.found(" 12345.", "12345") and retrieval.found(" 12 345", "12345")
+    assert not retrieval.found(" 1234.", "12345") and not retrieval.found("the pass key", "12345")
+
+
+def test_sensitivity_costs_and_mixed_policy():
+    model = tiny_random()
+    ids = texts.token_ids(ByteTokenizer(), "code", 110, split="train")
+    pre = seeded.prefill(model, ids[:100])
+    costs = sensitivity.layer_costs(model, pre, ids[100:], {"bits": 2, "group_size": 16, "residual_length": 16})
+    assert len(costs) == model.config.num_hidden_layers and all(c == c for c in costs)
+    policy = sensitivity.mixed({"bits": 2}, [0.1, 0.5, -0.2, 0.3], {"bits": 4}, 2, "m")
+    assert policy["overrides"] == [{"layers": [1, 3], "quantize": {"bits": 4}}]
+    assert "overrides" not in sensitivity.mixed({"bits": 2}, [0.1], None, 0, "m")
+
+
+def test_run_rows_on_the_tiny_model():
+    model, tok = load_model("tiny")
+    names = ["int2 min/max", "int2 +sinks +clip", "QuantizedCache quanto int2"]
+    rows, meta = realbench.run(model, tok, names, 300, 6, ["code"], 3, [400], [0.5], log=lambda *_: None)
+    assert [r["name"] for r in rows] == ["DynamicCache", *names]
+    assert rows[0]["ppl_delta"]["code"] == 0 and rows[0]["greedy"] == 1.0 and rows[0]["top1"]["code"] == 1.0
+    for r in rows:
+        assert r["bytes"] > 0 and r["tok_s"] > 0 and r["retrieval_acc"] is not None
+    assert rows[1]["bytes"] < rows[0]["bytes"]
+    with pytest.raises(ValueError, match="unknown setup"):
+        realbench.run(model, tok, ["nope"], 96, 6, ["code"], 0, [], [])
