@@ -237,3 +237,32 @@ def test_a_clean_flag_in_flight_is_waited_for_and_saved(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(twin.layers[2].kv(), cache.layers[2].kv()))
     twin.close()
     cache.close()
+
+
+@pytest.mark.parametrize("drop", [1, 8, 11, 12])  # the residual, into the blocks, all after the sinks, the sinks too
+def test_every_crop_path_clears_a_flag_it_drops(drop):
+    """With attention sinks a crop takes one of several paths; each forgets the flags it drops."""
+    policy = {"name": "int4-sinks", "quantize": {**Q, "sink_tokens": 1}}
+    cache, ref = tiercache.TieredCache.from_policy(policy, SPEC), DynamicCache()
+    feed([cache, ref])
+    q = poison(cache)
+    q.finite.flags[-1] = (12 - drop, 1, torch.tensor(True), InFlight())  # the bad update: the first dropped token
+    cache.crop(-drop)
+    ref.crop(-drop)
+    q.finite.settle()  # nothing left to raise
+    assert q.finite.pending() == 0 and q.finite.bad_at is None
+    assert cache.get_seq_length() == 12 - drop
+    held = cache.layers[1].kv()  # usable again: what a DynamicCache cropped alike holds
+    assert (0 if held is None else held[0].shape[2]) == ref.get_seq_length(1) == 12 - drop
+    cache.close()
+
+
+def test_a_kept_flag_still_refuses_after_a_crop():
+    cache = tiercache.TieredCache.from_policy({"name": "int4", "quantize": Q}, SPEC)
+    feed([cache])
+    q = poison(cache)
+    q.finite.flags[-1] = (5, 1, torch.tensor(True), InFlight())  # an update at position 5 stays
+    cache.crop(-2)
+    with pytest.raises(CacheError, match="positions 5..5"):
+        cache.fork()
+    cache.close()
