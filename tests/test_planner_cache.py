@@ -107,6 +107,8 @@ def _check(policy, config, monkeypatch, dtype=torch.float32, cache=None, exact_m
             held, planned = held - slots - work, planned - p.mirrors - p.workspace
         assert _close(held, planned), f"{tier}: real {real} vs plan {p.bytes}\n{p.table()}"
     assert work == p.workspace, f"workspace: real {work} vs plan {p.workspace}"
+    whole = {tier: p.whole.line("kv cache", tier) for tier in p.bytes}  # the whole footprint's cache lines
+    assert whole == p.bytes, f"whole-footprint cache lines {whole} vs plan {p.bytes}"
     sizes = {r.mirror for r in p.layers if r.mirror}
     if len(sizes) <= 1 and exact_mirrors:  # offloaded layers alike: the slots are predicted exactly
         assert _close(slots, p.mirrors), f"mirror slots: real {slots} vs plan {p.mirrors}"

@@ -55,6 +55,9 @@ def test_plan_equals_the_generated_cache(name, policy, monkeypatch):
     slots, work = shared_parts(cache)
     assert (slots, work) == (p.mirrors, p.workspace)
     assert tier_bytes(cache.nbytes(), "cpu") == p.bytes, p.table()
+    # the whole footprint's cache lines count both halves: the real cache's bytes, per tier
+    assert {t: p.whole.line("kv cache", t) for t in p.bytes} == tier_bytes(cache.nbytes(), "cpu")
+    assert f"cross-attention at {encoded} encoder tokens" in p.table()
     for half, rows in ((cache.self_attention_cache, p.layers), (cache.cross_attention_cache, p.cross_layers)):
         assert len(half.layers) == len(rows)
         for layer, row in zip(half.layers, rows):

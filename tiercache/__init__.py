@@ -1,7 +1,8 @@
 """tiercache: a memory-tiered KV cache for LLM generation.
 
-Public API: ``load_policy``, ``Policy``, ``TieredCache``, ``plan``, ``PolicyError``, ``CacheError``
-(and ``TieredEncoderDecoderCache``, what ``TieredCache.for_encoder_decoder`` returns).
+Public API: ``load_policy``, ``Policy``, ``TieredCache``, ``plan``, ``generate`` (chunked prefill,
+then ``model.generate``), ``PolicyError``, ``CacheError`` (and ``TieredEncoderDecoderCache``, what
+``TieredCache.for_encoder_decoder`` returns).
 ``TieredCache`` and ``plan`` are imported lazily so that the torch-only parts load without
 transformers.
 """
@@ -11,7 +12,8 @@ from tiercache.policy import Policy, load_policy
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheError", "Policy", "PolicyError", "TieredCache", "TieredEncoderDecoderCache", "load_policy", "plan"]
+__all__ = ["CacheError", "Policy", "PolicyError", "TieredCache", "TieredEncoderDecoderCache", "generate",
+           "load_policy", "plan"]
 
 
 def __getattr__(name):
@@ -23,4 +25,8 @@ def __getattr__(name):
         from tiercache import planner
 
         return getattr(planner, name)
+    if name == "generate":
+        from tiercache.prefill import generate
+
+        return generate
     raise AttributeError(f"module 'tiercache' has no attribute {name!r}")

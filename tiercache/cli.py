@@ -1,8 +1,11 @@
 """The ``tiercache`` command: validate, plan, generate, bench.
 
     tiercache validate POLICY [--model M]           OK, or the PolicyError; exit 0 / 1
-    tiercache plan POLICY --model M --context N --batch B [--encoder-length N]   (encoder-decoder models)
-    tiercache generate --model M --policy POLICY --prompt TEXT [--max-new-tokens N] [--chat | --no-chat]
+    tiercache plan POLICY --model M --context N --batch B [--weights int4] [--device cpu] [--prefill-chunk N]
+                   [--encoder-length N]            (encoder-decoder models: cross-attention K/V counted)
+    tiercache generate --model M --policy POLICY (--prompt TEXT | --prompt-file F) [--max-new-tokens N]
+                       [--prefill-chunk N] [--chat | --no-chat]
+                                                    chunked prefill (tiercache.prefill), then decode
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
     tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
                                                     the OpenAI-compatible server (tiercache.serve)
@@ -25,6 +28,7 @@ import sys
 import time
 
 from tiercache.errors import CacheError, PolicyError
+from tiercache.weights import FORMATS
 
 
 def positive_int(text: str) -> int:
@@ -71,7 +75,8 @@ def _validate(args) -> int:
 def _plan(args) -> int:
     from tiercache.planner import main_plan
 
-    return main_plan(args.policy, args.model, args.context, args.batch, encoder_length=args.encoder_length)
+    return main_plan(args.policy, args.model, args.context, args.batch, encoder_length=args.encoder_length,
+                     weights=args.weights, device=args.device, prefill_chunk=args.prefill_chunk)
 
 
 def _generate(args) -> int:
@@ -80,8 +85,18 @@ def _generate(args) -> int:
     from tiercache.bench.tiny import ByteTokenizer, ModelLoadError, load_model
     from tiercache.cache import TieredCache
 
-    if not args.prompt:
-        return _error("generate", "--prompt is empty; give the text to continue (at least one character)")
+    prompt = args.prompt
+    if args.prompt_file is not None:
+        try:
+            prompt = open(args.prompt_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            return _error("generate", f"--prompt-file {args.prompt_file!r} cannot be read as UTF-8 text: {e}")
+    if not prompt:
+        source = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file!r}"
+        return _error("generate", f"{source} is empty; give the text to continue (at least one character)")
+    from tiercache.hostmem import release_freed_memory
+
+    release_freed_memory()  # freed activations go back to the OS: the peak is what is held (hostmem.py)
     torch.manual_seed(args.seed)
     try:
         model, tok = load_model(args.model)
@@ -91,32 +106,47 @@ def _generate(args) -> int:
     if chat and getattr(tok, "chat_template", None) is None:
         return _error("generate", f"--chat: model {args.model!r} has no chat template; drop --chat")
     if isinstance(tok, ByteTokenizer):
-        ids = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)  # [1, T]
+        ids = torch.tensor([tok.encode(prompt)], dtype=torch.long)  # [1, T]
     elif chat:  # the prompt as one user turn, then the assistant's turn begins
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
     else:
-        ids = tok(args.prompt, return_tensors="pt").input_ids
+        ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
-        return _error("generate", f"--prompt {args.prompt!r} encodes to no tokens with this model's tokenizer")
+        return _error("generate", f"the prompt {prompt[:40]!r} encodes to no tokens with this model's tokenizer")
+    context = ids.shape[1] + args.max_new_tokens
     try:
-        cache = TieredCache.from_policy(args.policy, model.config, context_length=ids.shape[1] + args.max_new_tokens)
+        cache = TieredCache.from_policy(args.policy, model.config, context_length=context)
+        from tiercache.planner import plan
+
+        planned = plan(cache.policy, model, 1, context, device="cpu", prefill_chunk=args.prefill_chunk)
     except PolicyError as e:
         return _error("generate", str(e))
+    from tiercache.prefill import generate
+
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=args.max_new_tokens,
-                             do_sample=args.sample, pad_token_id=getattr(tok, "pad_token_id", None))
+    out = generate(model, ids, cache, prefill_chunk=planned.prefill_chunk, max_new_tokens=args.max_new_tokens,
+                   do_sample=args.sample, pad_token_id=getattr(tok, "pad_token_id", None))
     elapsed = time.perf_counter() - start
     new = out.shape[1] - ids.shape[1]
     new_ids = out[0, ids.shape[1]:]
     print(tok.decode(new_ids) if isinstance(tok, ByteTokenizer) else tok.decode(new_ids, skip_special_tokens=True))
     print("---")
     sizes = ", ".join(f"{place}: {n / 2**20:.2f} MiB" for place, n in sorted(cache.nbytes().items()))
-    print(f"policy {cache.policy.name}: {new} new tokens in {elapsed:.2f}s ({new / elapsed:.1f} tokens/s); "
-          f"cache {sizes or 'empty'} for {cache.get_seq_length()} tokens")
+    print(f"policy {cache.policy.name}: {ids.shape[1]} prompt tokens (prefill chunks of {planned.prefill_chunk}), "
+          f"{new} new tokens in {elapsed:.2f}s ({new / elapsed:.1f} tokens/s, prefill included); cache {sizes or 'empty'} for {cache.get_seq_length()} tokens")
+    print(f"memory: planned total {sum(planned.whole.total.values()) / 2**20:.1f} MiB, "
+          f"peak RSS {_peak_rss() / 2**20:.1f} MiB")
     cache.close()
     return 0
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set size in bytes (Linux reports KiB, macOS bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _serve(args) -> int:
@@ -143,6 +173,10 @@ def parser() -> argparse.ArgumentParser:
                     help="tiny, tiny-random, smollm2-135m, a preset (Llama-3-8B ...), a path or hub id")
     pl.add_argument("--context", type=positive_int, required=True)
     pl.add_argument("--batch", type=positive_int, default=1)
+    pl.add_argument("--weights", choices=FORMATS, default=None, help="weights format (default: the model's dtype)")
+    pl.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="compute device (default cuda)")
+    pl.add_argument("--prefill-chunk", type=positive_int, default=None,
+                    help="tokens per prefill chunk (default: the largest that fits a scope: total budget, else 2048)")
     pl.add_argument("--encoder-length", type=positive_int, default=None,
                     help="encoder-decoder models: encoder output tokens, to count cross-attention K/V")
     g = sub.add_parser("generate", help="generate text with a policy")
@@ -151,7 +185,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the model's chat template as a user turn (default: when the model has one)")
     g.add_argument("--policy", default=None, help="policy YAML (default: full precision)")
-    g.add_argument("--prompt", required=True)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the text to continue")
+    src.add_argument("--prompt-file", help="read the text to continue from this UTF-8 file (long prompts)")
+    g.add_argument("--prefill-chunk", type=positive_int, default=None,
+                   help="tokens per prefill forward (default: the plan's, tiercache plan)")
     g.add_argument("--max-new-tokens", type=positive_int, default=64)
     g.add_argument("--sample", action="store_true")
     g.add_argument("--seed", type=int, default=0)

@@ -22,7 +22,8 @@ Each rung starts from the auto policy: its storage, max_length, overrides and bu
 its ``quantize`` section (if any) is the template for group_size, residual_length and backend,
 its ``offload`` section for prefetch, pin_memory and path. A rung the backend cannot do (e.g.
 quanto at 8 bits) is rejected with the backend's reason. The walk stops at the first rung
-whose plan fits every budgeted tier; if none fits, the Plan is the rung with the smallest
+whose plan fits every budgeted tier (with ``budget.scope: total``, the whole footprint at the
+largest prefill chunk that fits, ``tiercache.run``); if none fits, the Plan is the rung with the smallest
 device bytes (then smallest total), with ``fits`` False.
 """
 
@@ -84,7 +85,7 @@ def candidates(auto: Policy) -> list[tuple[str, "Policy | PolicyError"]]:
     return out
 
 
-def walk(auto: Policy, spec, batch: int, context: int, encoder_length: int | None = None):
+def walk(auto: Policy, spec, batch: int, context: int, encoder_length: int | None = None, run=None):
     from tiercache.planner import human, plan_concrete
 
     rungs: list[Rung] = []
@@ -95,6 +96,8 @@ def walk(auto: Policy, spec, batch: int, context: int, encoder_length: int | Non
             continue
         p = plan_concrete(cand, spec, batch, context, encoder_length)
         p.requested = auto
+        if run is not None:  # the budget is known now: choose the prefill chunk against it
+            run.attach(p)
         if chosen is not None:
             verdict = "not needed (a less lossy rung fits)"
         elif p.fits:

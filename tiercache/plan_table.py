@@ -41,15 +41,30 @@ def render(plan) -> str:
     if spec.cross_attention and p.encoder_length is None:
         lines.append("note: an encoder-decoder model; its cross-attention K/V are not counted: give --encoder-length "
                      "(plan(..., encoder_length=N))")
+    if p.whole is not None:
+        lines += _whole(p, human) + [""]
     verdicts = p.verdicts()
     for tier, (used, limit, ok) in verdicts.items():
-        extra = f" (workspace {human(p.workspace)} included)" if tier == "device" and p.workspace else ""
+        if p.scope == "total":
+            extra = " (whole run: every line above)"
+        else:
+            extra = f" (workspace {human(p.workspace)} included)" if tier == "device" and p.workspace else ""
+            extra += " (the cache alone: budget.scope is cache)" if p.whole is not None else ""
         lines.append(f"budget {tier}: {human(used)}{extra} of {human(limit)}: {'fits' if ok else 'DOES NOT FIT'}")
     lines += [f"problem: {msg}" for msg in p.problems]
     if not verdicts and not p.problems:
         lines.append("no budget given: nothing to check")
     lines.append(f"verdict: {'fits' if p.fits else 'does not fit'}")
     return "\n".join(lines)
+
+
+def _whole(p, human) -> list[str]:
+    w = p.whole
+    out = [f"whole footprint on {w.device} (prefill in chunks of {p.prefill_chunk} tokens):"]
+    rows = [[x.name, x.tier, human(x.bytes), x.note] for x in w.lines]
+    total = w.total
+    rows.append(["total", "", ", ".join(f"{t} {human(total[t])}" for t in TIERS if total[t]), ""])
+    return out + _grid(["line", "tier", "bytes", "note"], rows)
 
 
 def _rung_bytes(rung, human) -> list[str]:
@@ -78,7 +93,7 @@ def _indices(idx: list[int]) -> str:
 
 def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    right = {"device", "host", "disk", "tokens", "workspace", "n"}
+    right = {"device", "host", "disk", "tokens", "workspace", "n", "bytes"}
     fmt = lambda cells: "  ".join(  # noqa: E731
         (c.rjust(w) if h in right else c.ljust(w)) for c, w, h in zip(cells, widths, header)).rstrip()
     return [fmt(header), *(fmt(r) for r in rows)]

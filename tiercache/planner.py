@@ -12,7 +12,9 @@ Interface
     choose(policy, model, batch, context) -> Policy
         the concrete policy an ``auto`` policy stands for (``TieredCache.from_policy`` calls it).
     resolve_model(name_or_path) -> ModelSpec
-    main_plan(policy_path, model, context, batch, out, err, encoder_length) -> exit code (``tiercache plan``)
+    main_plan(policy_path, model, context, batch, out, err, encoder_length, **run) -> exit code (the
+        ``tiercache plan`` CLI; ``run``: ``weights``, ``device``, ``prefill_chunk``, ``runtime`` as
+        ``plan`` takes them)
 
 Plan
     .bytes       {"device", "host", "disk"}: bytes *held* once ``context_length`` tokens are in
@@ -21,8 +23,13 @@ Plan
     .workspace   the part of ``.bytes["device"]`` that is the quantized layers' shared
                  dequantization workspace: the full-precision K/V one decode step returns for
                  the largest layer (``tiercache.footprint.workspace_bytes``).
-    .fits        every tier named in ``policy.budget`` holds its bytes (``.bytes``, workspace
-                 and mirrors included). True when there is no budget.
+    .whole       the whole footprint of a run (``tiercache.whole``): weights, cache, growth,
+                 activations of one prefill chunk, runtime, margin, line by line per tier;
+                 ``.prefill_chunk`` the chunk size it was planned with.
+    .fits        every tier named in ``policy.budget`` holds what the budget counts: with
+                 ``budget.scope: cache`` (the default) the cache's bytes (``.bytes``, workspace
+                 and mirrors included); with ``scope: total`` the whole footprint's total.
+                 True when there is no budget.
     .layers      one LayerRow per layer; ``.rungs`` (auto only) one Rung per ladder candidate.
     .cross_layers  encoder-decoder with ``encoder_length``: one LayerRow per cross-attention
                  layer (the ``cross_attention_cache`` half); their bytes, device mirrors and
@@ -76,6 +83,8 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     rungs: list | None = None  # tiercache.ladder.Rung rows, for auto policies
     requested: Policy | None = None  # the auto policy, when ``policy`` was chosen by the ladder
+    whole: object | None = None  # tiercache.whole.Whole: every line of the run's footprint
+    prefill_chunk: int | None = None
     cross_layers: list[LayerRow] = field(default_factory=list)  # encoder-decoder, with encoder_length
     encoder_length: int | None = None
 
@@ -83,13 +92,17 @@ class Plan:
     def budget(self) -> Budget | None:
         return (self.requested or self.policy).budget
 
+    @property
+    def scope(self) -> str:
+        return getattr(self.budget, "scope", "cache") if self.budget is not None else "cache"
+
     def verdicts(self) -> dict[str, tuple[int, int, bool]]:
         """tier -> (bytes counted, budget, fits), for each tier the budget names."""
         out = {}
         for tier in TIERS:
             limit = getattr(self.budget, tier, None) if self.budget is not None else None
             if limit is not None:
-                used = self.bytes[tier]
+                used = self.whole.total[tier] if self.scope == "total" and self.whole is not None else self.bytes[tier]
                 out[tier] = (used, int(limit), used <= limit)
         return out
 
@@ -103,10 +116,23 @@ class Plan:
         return render(self)
 
 
-def plan(policy, model, batch_size: int = 1, context_length: int = 4096, encoder_length: int | None = None) -> Plan:
+def plan(policy, model, batch_size: int = 1, context_length: int = 4096, encoder_length: int | None = None, *,
+         weights: str | None = None, device: str = "cuda", prefill_chunk: int | None = None,
+         runtime: int | None = None) -> Plan:
+    """``model`` may also be a loaded ``torch.nn.Module`` (its parameters are counted exactly).
+    ``encoder_length``: an encoder-decoder model's encoder tokens (its cross-attention K/V are
+    counted, in ``.cross_layers``, ``.bytes`` and the whole footprint's cache line).
+    ``weights``: the weights' format (``tiercache.weights.FORMATS``; default the model's dtype);
+    ``device``: ``cuda`` or ``cpu`` (the attention kernel and the runtime line); ``prefill_chunk``:
+    default the largest of ``activations.CHUNKS`` that fits a ``scope: total`` budget, else 2048;
+    ``runtime``: the runtime baseline in bytes (default ``whole.RUNTIME``)."""
+    from tiercache.run import RunSpec
+
     policy = load_policy(policy)
+    run = RunSpec.of(model, weights, device, prefill_chunk, runtime)
     spec = model if isinstance(model, ModelSpec) else (
-        resolve_model(model) if isinstance(model, (str, Path)) else ModelSpec.from_config(model))
+        resolve_model(model) if isinstance(model, (str, Path)) else ModelSpec.from_config(
+            model.config if hasattr(model, "parameters") and hasattr(model, "config") else model))
     check_sizes(batch_size, context_length)
     if encoder_length is not None:
         check_sizes(batch_size, encoder_length, "encoder_length")
@@ -116,8 +142,8 @@ def plan(policy, model, batch_size: int = 1, context_length: int = 4096, encoder
     if policy.auto:
         from tiercache.ladder import walk
 
-        return walk(policy, spec, batch_size, context_length, encoder_length)
-    return plan_concrete(policy, spec, batch_size, context_length, encoder_length)
+        return walk(policy, spec, batch_size, context_length, encoder_length, run)
+    return plan_concrete(policy, spec, batch_size, context_length, encoder_length, run)
 
 
 def check_sizes(batch_size, context_length, context_name: str = "context_length") -> None:
@@ -139,7 +165,8 @@ def choose(policy, model, batch: int = 1, context: int = 4096) -> Policy:
     return p.policy
 
 
-def plan_concrete(policy: Policy, spec: ModelSpec, batch: int, context: int, encoder_length: int | None = None) -> Plan:
+def plan_concrete(policy: Policy, spec: ModelSpec, batch: int, context: int, encoder_length: int | None = None,
+                  run=None) -> Plan:
     rows, mirrors, workspace, totals = _half(policy.resolve(spec), spec, batch, context)
     cross_rows = []
     if encoder_length is not None:  # the cross_attention_cache half: its own layers, mirrors and workspace
@@ -152,8 +179,11 @@ def plan_concrete(policy: Policy, spec: ModelSpec, batch: int, context: int, enc
     problems = []
     if policy.storage == "static" and policy.max_length is not None and context > policy.max_length:
         problems.append(f"context {context} exceeds static max_length {policy.max_length}")
-    return Plan(policy, spec, batch, context, rows, mirrors, totals, workspace, problems,
-                cross_layers=cross_rows, encoder_length=encoder_length)
+    p = Plan(policy, spec, batch, context, rows, mirrors, totals, workspace, problems,
+             cross_layers=cross_rows, encoder_length=encoder_length)
+    if run is not None:
+        run.attach(p)
+    return p
 
 
 def _half(layer_policies, spec: ModelSpec, batch: int, tokens: int):
@@ -229,13 +259,13 @@ class _JsonConfig:
 # -- CLI -------------------------------------------------------------------------------------------
 
 def main_plan(policy_path: str, model: str, context: int, batch: int, out=None, err=None,
-              encoder_length: int | None = None) -> int:
+              encoder_length: int | None = None, **run) -> int:
     """``tiercache plan``: print the table (``out``, default stdout); 0 when it fits, 1 when it does
     not or on error (``tiercache plan: error: ...`` on ``err``, default stderr)."""
     out = out if out is not None else sys.stdout  # looked up per call: sys.stdout may be replaced
     err = err if err is not None else sys.stderr
     try:
-        p = plan(load_policy(policy_path), resolve_model(model), batch, context, encoder_length)
+        p = plan(load_policy(policy_path), model, batch, context, encoder_length, **run)
     except PolicyError as e:
         print(f"tiercache plan: error: {e}", file=err)
         return 1

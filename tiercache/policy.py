@@ -107,6 +107,7 @@ class Budget:
     device: Size | None = None
     host: Size | None = None
     disk: Size | None = None
+    scope: Literal["cache", "total"] = "cache"  # what a tier's size bounds: the cache, or the whole run (tiercache.whole)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,10 @@ SCRIPTS = [
                  ["tiercache Quantize (native, KIVI)", "QuantizedCache"], id="quantize"),
     pytest.param("bench_offload.py", ["--context", "64", "--new", "4", "--warmup", "1"],
                  ["| offload+int4 |", "bus bytes"], id="offload"),
+    pytest.param("bench_memory.py", ["--context", "300", "--new", "2", "--layers", "2", "--hidden", "64", "--heads", "4",
+                                     "--kv-heads", "2", "--intermediate", "128", "--vocab", "256",
+                                     "--policies", "default,tiered-int4-offload", "--out", "."],
+                 ["| default | 300 |", "| tiered-int4-offload |", "runtime baseline", "wrote"], id="memory"),
     pytest.param("bench_serve.py", ["--conversations", "1", "--turns", "2", "--history", "200", "--max-tokens", "3",
                                     "--out", "out"],
                  ["| TTFT store (ms) |", "| 2 |", "answers identical in every turn: True", "bench_serve.png"], id="serve"),
@@ -40,3 +44,17 @@ def test_bench_script_runs(script, args, expected, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     for text in expected:
         assert text in out.stdout, f"{text!r} missing from the output of {script}:\n{out.stdout[-3000:]}"
+
+
+def test_gpu_suite_dry_run(tmp_path):
+    """bench/gpu_suite.sh --dry-run: the long-context table on a tiny shape, on the CPU."""
+    import os
+
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path))
+    out = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), "--dry-run"], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for cache in ("| DynamicCache | 96 |", "| QuantizedCache quanto int4 | 160 |", "| tiered-int4-offload | 160 |",
+                  "skipped: offloading=True needs CUDA"):
+        assert cache in out.stdout, out.stdout[-3000:]
+    assert (tmp_path / "longctx.json").is_file()

@@ -33,8 +33,12 @@ prefetcher, which reports them once for the whole cache (``Prefetcher.nbytes()``
 
 Without CUDA the compute device and the host are both the CPU: every copy still happens through
 the same code (fetch, append, write-back), with no stream or event, and results are
-bit-identical to a resident layer. With CUDA the write-back of the new tokens waits for them to
-reach the host (one event per update), so an error from the host tier surfaces in ``update``.
+bit-identical to a resident layer.
+
+Write-back (``tiercache.processors.writeback``): on CUDA, for full storage in pinned host memory
+(``deferred``), the new tokens reach the host layer without a host sync and join it at the
+layer's next use at the latest: every use, host-side and lifecycle operation calls ``_settle``
+first; ``seq_length`` and ``mask_sizes`` count the staged tokens. Elsewhere it is synchronous.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from tiercache.layers.buffer import capacity_for
 from tiercache.layers.spec import check_pair
 from tiercache.layers.state import expect, nest, part
 from tiercache.policy import OffloadPolicy
+from tiercache.processors import writeback
 from tiercache.processors.prefetch import Prefetcher
 from tiercache.tiers import HostTier
 
@@ -62,7 +67,8 @@ def offloaded(make_storage_on, config: OffloadPolicy, prefetcher: Prefetcher, in
         tier = DiskTier(config.path, label=f"layer{index}")
     else:
         tier = HostTier(config.pin_memory)
-    return Offload(make_storage_on(tier), prefetcher, index, depth=config.prefetch, owned_outputs=owned_outputs)
+    return Offload(make_storage_on(tier), prefetcher, index, depth=config.prefetch, owned_outputs=owned_outputs,
+                   deferred=config.device == "cpu")
 
 
 def row_stride(t: torch.Tensor) -> int | None:
@@ -83,7 +89,7 @@ def row_stride(t: torch.Tensor) -> int | None:
 
 class Offload(KVLayer):
     def __init__(self, inner: KVLayer, prefetcher: Prefetcher, index: int = 0, depth: int = 1,
-                 owned_outputs: bool = False):
+                 owned_outputs: bool = False, deferred: bool = False):
         if depth < 0:
             raise CacheError(f"offload prefetch depth must be >= 0, got {depth}")
         self.inner = inner
@@ -99,7 +105,10 @@ class Offload(KVLayer):
         self.k: torch.Tensor | None = None  # [B, H, C, Dk] mirror in the slot
         self.v: torch.Tensor | None = None  # [B, H, C, Dv]
         self.lo = 0  # first held token in the mirror
-        self.held = 0  # tokens held (== what inner.kv() holds)
+        self.held = 0  # tokens held (== what inner.kv() holds once the staged write-backs have joined it)
+        # CUDA write-backs not yet in the host layer: (keys, values, event), oldest first (full storage only)
+        self.deferred = deferred and not inner.is_sliding and inner.max_length() <= 0
+        self.staged: list[tuple[torch.Tensor, torch.Tensor, object]] = []
         self.key = prefetcher.register(self, index)
 
     # -- the protocol -----------------------------------------------------------------------
@@ -108,35 +117,45 @@ class Offload(KVLayer):
         if self.device is not None and key.device != self.device:
             raise CacheError(f"device: the layer computes on {self.device}, the update is on {key.device}")
         t = key.shape[2]
-        host_k, host_v = self._to_host(key, value)  # [B, H, T, D] on the CPU: the new tokens only
+        self._settle()  # earlier write-backs join the host layer first (they may regrow it)
+        defer = writeback.defers(self, key)
+        host_k, host_v = writeback.staging(key, value) if defer else writeback.to_host(key, value)  # [B, H, T, D] on the CPU
         self.inner.validate_update(host_k, host_v)  # shape, dtype, batch, room: before the mirror changes
         self.device = key.device
         self.prefetcher.acquire(self, room=t)  # may raise CacheError (device memory): nothing changed
         if self.k is None or self.lo + self.held + t > self.k.shape[2]:
             self._make_room(key, value)  # likewise, before the host copy changes
-        out = self.inner.update(host_k, host_v)  # may still raise (disk full): the mirror holds the same tokens
+        if defer:  # full storage: it will show every held token
+            writeback.write_back(self, key, value, host_k, host_v)
+            shown = self.held + t
+        else:
+            out = self.inner.update(host_k, host_v)  # may still raise (disk full): the mirror holds the same tokens
+            shown = out[0].shape[2]
         self.prefetcher.count_d2h(_bytes(key) + _bytes(value))
         self._append(key, value)
-        n, shown = self.held, out[0].shape[2]
+        n = self.held
         a = self.lo + n - shown if shown <= n else self.lo  # the inner's answer, on the device
         result = self.k[:, :, a : a + shown], self.v[:, :, a : a + shown]
-        kept = self.inner.kv()
-        kept = 0 if kept is None else kept[0].shape[2]
-        self.lo, self.held = self.lo + n - kept, kept  # the inner keeps a suffix of held + new
+        if not defer:
+            kept = self.inner.kv()
+            kept = 0 if kept is None else kept[0].shape[2]
+            self.lo, self.held = self.lo + n - kept, kept  # the inner keeps a suffix of held + new
         if self.owned_outputs:
             return result[0].clone(), result[1].clone()
         return result
 
     def seq_length(self) -> int:
-        return self.inner.seq_length()
+        return self.inner.seq_length() + writeback.staged_tokens(self)
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.inner.mask_sizes(query_length)
+        kv_length, offset = self.inner.mask_sizes(query_length)
+        return kv_length + writeback.staged_tokens(self), offset  # staged only on full storage: no window offset
 
     def max_length(self) -> int:
         return self.inner.max_length()
 
     def validate_crop(self, n: int) -> None:
+        self._settle()
         self.inner.validate_crop(n)
 
     def crop(self, n: int) -> None:
@@ -163,11 +182,13 @@ class Offload(KVLayer):
         self.device = None
 
     def close(self) -> None:
+        self.staged = []  # the layer is dropped: its pending write-backs are of no use
         self.prefetcher.unregister(self)
         self.inner.close()
         self.device = None
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self._settle()
         if self.inner.kv() is None:
             return None
         self.prefetcher.acquire(self)
@@ -177,6 +198,7 @@ class Offload(KVLayer):
         """A copy of the host copy on the compute device, read through the wrapped layer's
         ``peek()``: no slot acquired, no mirror evicted, no prefetch started. Costs one host ->
         device copy of the layer (a disk tier: a read of its files) per call."""
+        self._settle()  # the host copy holds every token (a staged write-back joins it first)
         held = self.inner.peek()
         if held is None:
             return None
@@ -185,19 +207,25 @@ class Offload(KVLayer):
 
     @property
     def is_initialized(self) -> bool:
-        return self.inner.is_initialized
+        return bool(self.staged) or self.inner.is_initialized  # a staged first update counts
 
     def nbytes(self) -> dict[str, int]:
+        self._settle()
         return self.inner.nbytes()  # the device mirror is the prefetcher's (see module docstring)
 
     def tier_nbytes(self) -> dict[str, int]:
+        self._settle()
         return self.inner.tier_nbytes()
 
     def batch_size(self) -> int | None:
         return self.inner.batch_size()
 
     # -- lifecycle: the host copy is the state; the mirror is never part of it ------------------
+    # Each method settles pending write-backs first: the host copy must hold every token before
+    # it is read (state_dict, export: fork, save, retier) and before it is replaced
+    # (load_state_dict, ingest), else a staged pair would join the new state at the next use.
     def state_dict(self) -> dict:
+        self._settle()
         return {"kind": "offload", "device": None if self.device is None else str(self.device),
                 **nest("inner.", self.inner.state_dict())}
 
@@ -206,6 +234,7 @@ class Offload(KVLayer):
         device = sd.get("device")
         if device is not None and not isinstance(device, str):
             raise CacheError(f"state of an offload layer: device should be a string or None, got {device!r}")
+        self._settle()
         self.prefetcher.evict(self)
         self.device = None
         self.inner.load_state_dict(part(sd, "inner."))
@@ -213,6 +242,7 @@ class Offload(KVLayer):
 
     def export(self):
         """The host copy, on the compute device (a copy there when that is not the CPU)."""
+        self._settle()
         held = self.inner.export()
         if held is None or self.device is None or held[0].device == self.device:
             return held
@@ -221,12 +251,14 @@ class Offload(KVLayer):
 
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
         check_pair(key, value)
+        self._settle()
         self.prefetcher.evict(self)
-        host_k, host_v = self._to_host(key, value) if key.shape[2] else (key.cpu(), value.cpu())
+        host_k, host_v = writeback.to_host(key, value) if key.shape[2] else (key.cpu(), value.cpu())
         self.inner.ingest(host_k, host_v, seen)
         self.device = key.device
 
     def evict(self) -> None:
+        self._settle()
         self.prefetcher.evict(self)
         self.k = self.v = None  # the slot's memory is no longer held through this layer
         self.lo = self.held = 0
@@ -238,6 +270,7 @@ class Offload(KVLayer):
     # -- prefetcher callbacks ---------------------------------------------------------------
     def plan_fetch(self, room: int):
         """Bytes the mirror needs to hold the host copy plus ``room`` tokens; the plan for fill."""
+        self._settle()
         held = self.inner.kv()
         if held is None:
             return 0, None
@@ -271,23 +304,13 @@ class Offload(KVLayer):
         return _bytes(hk) + _bytes(hv)
 
     # -- internals --------------------------------------------------------------------------
+    def _settle(self) -> None:
+        writeback.settle(self)
+
     def _on_host(self, method: str, *args) -> None:
+        self._settle()
         self.prefetcher.evict(self)  # waits for any fetch reading the host copy
         getattr(self.inner, method)(*args)
-
-    def _to_host(self, key: torch.Tensor, value: torch.Tensor):
-        """The new tokens on the CPU: the tensors themselves on CPU, else a pinned copy, waited for."""
-        if key.device.type == "cpu":
-            return key, value
-        out = []
-        for t in (key, value):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            out.append(host)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(key.device))
-        done.synchronize()
-        return out
 
     def _append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write the new tokens after the held ones in the mirror (device to device)."""

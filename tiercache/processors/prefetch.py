@@ -10,6 +10,7 @@ Interface used by ``Offload`` (``tiercache.processors.offload``)
     evict(layer)                           drop the layer's mirror (after crop, reorder ...)
     grow(slot, nbytes)                     more room in a slot, held bytes kept
     count_d2h(nbytes), nbytes(), close()
+    side_stream(device) -> torch.cuda.Stream       the side stream (offload write-backs use it too)
 
 A layer offers two callbacks: ``plan_fetch(room) -> (nbytes, plan)`` and ``fill(slot, plan)``
 (the host -> device copies, enqueued while the side stream is current).
@@ -27,7 +28,8 @@ At most ``depth + 1`` slots exist: the layer in use and the ones fetched ahead. 
 there is no stream or event; the copies are real, synchronous copies on the CPU.
 
 Counters: ``bytes_h2d`` (host -> device, fetches), ``bytes_d2h`` (new tokens written back),
-``fetches`` and ``side_fetches`` (those enqueued on a side stream).
+``fetches`` and ``side_fetches`` (those enqueued on a side stream), ``host_waits`` (times an
+offloaded layer had to block on a write-back that had not landed yet: 0 in steady decoding).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class Prefetcher:
         self.bytes_d2h = 0
         self.fetches = 0
         self.side_fetches = 0
+        self.host_waits = 0
 
     # -- registry ---------------------------------------------------------------------------
     def register(self, layer, index: int) -> int:
@@ -136,6 +139,11 @@ class Prefetcher:
         old = slot.data
         slot.data = self._alloc(nbytes, device)
         return old
+
+    def side_stream(self, device) -> "torch.cuda.Stream":
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        return self.stream
 
     def count_d2h(self, nbytes: int) -> None:
         self.bytes_d2h += nbytes

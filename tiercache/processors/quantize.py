@@ -29,7 +29,8 @@ return tensors without history; the cache works the same inside or outside ``tor
 
 Update. Refuses non-finite keys/values (``CacheError``, the layer unchanged): one NaN would
 poison the scale of a whole group. The check reads the new tokens only (one max-abs per K and
-V, then one host sync on a GPU). Returns ``[B, H, S, D]``: the blocks stored before this
+V); on CUDA it is read without a host sync and surfaces at the layer's next use
+(``processors/finite.py``). Returns ``[B, H, S, D]``: the blocks stored before this
 update dequantized in one vectorized pass straight into the output, then the residual and the
 new tokens at full precision (no concatenation of the history). The output lives in the
 cache's shared workspace (no allocation per step): it is valid until the next update on the
@@ -69,8 +70,6 @@ reaching into them removes the newest of them; the next tokens refill them.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from tiercache.errors import CacheError
@@ -79,6 +78,7 @@ from tiercache.layers.spec import KVSpec
 from tiercache.processors import backends
 from tiercache.processors import quantize_state
 from tiercache.processors.blocks import BlockCodec
+from tiercache.processors.finite import FiniteGuard, describe
 from tiercache.processors.residual import Residual
 
 
@@ -120,6 +120,7 @@ class Quantize(KVLayer):
         self.seen = 0  # tokens seen (positions), including any slid out of a window
         self.recorded = 0  # sliding: tokens updated while recording since the last crop (kept past the window)
         self.stored = False  # the store has had an update (knows batch, dtype, device)
+        self.finite = FiniteGuard()  # refuses non-finite updates (processors/finite.py)
 
     # -- the protocol ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -132,9 +133,7 @@ class Quantize(KVLayer):
                 f"static storage is full: it holds {self.seen} of max_length={self.limit} tokens and "
                 f"cannot take {t} more; raise max_length in the policy or use storage: full"
             )
-        if t and not math.isfinite(float(torch.maximum(  # max |x|: NaN and inf propagate; one sync
-                torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf)))):
-            raise CacheError(self._non_finite(key, value))
+        self.finite.check(key, value, self.seen, lambda: describe(key, value, self.seen, self.g))  # no host sync on CUDA
         sink = min(self.n_sinks - len(self.sinks), t)  # the first tokens seen stay exact
         full = key, value
         key, value, t = key.narrow(2, sink, t - sink), value.narrow(2, sink, t - sink), t - sink
@@ -219,6 +218,7 @@ class Quantize(KVLayer):
         self._crop_after_sinks(n - extra)
         self.sinks.truncate(extra)
         self.seen -= extra
+        self.finite.crop_to(self.seen)  # every path: a flag of a dropped update no longer counts
 
     def _crop_after_sinks(self, n: int) -> None:
         held = len(self.residual)
@@ -270,12 +270,14 @@ class Quantize(KVLayer):
     def reset(self) -> None:
         self.store.reset()
         self.residual.clear()
+        self.finite.reset()
         self.sinks.clear()
         self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
 
     @torch.no_grad()
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Fresh tensors (never the workspace): callers may keep them."""
+        self.finite.surface()
         if self.spec is None or (not len(self.residual) and not len(self.sinks) and self._held_blocks() is None):
             return None
         return self._assemble(self._held_blocks(), None, None, workspace=False)
@@ -286,6 +288,7 @@ class Quantize(KVLayer):
         (a sliding layer: the tokens a ``SlidingLayer`` keeps, the last ``window - 1`` plus those
         recorded since the last crop); the store is read through its ``peek()``, so nothing is fetched, evicted or
         written (not even the workspace or a codec's remembered views)."""
+        self.finite.surface()  # a landed non-finite flag refuses, as kv() does
         if self.spec is None:
             return None
         blocks = self.store.peek() if self.stored else None
@@ -354,6 +357,7 @@ class Quantize(KVLayer):
         """Release everything; the layer is empty afterwards (as after ``reset``)."""
         self.store.close()
         self.residual.clear()
+        self.finite.reset()
         self.sinks.clear()
         for codec in self.codecs or ():
             codec.forget()
@@ -410,17 +414,6 @@ class Quantize(KVLayer):
                     at += count - lo
                 lo = max(lo - count, 0)
         return outs[0], outs[1]
-
-    def _non_finite(self, key: torch.Tensor, value: torch.Tensor) -> str:
-        for name, t in (("keys", key), ("values", value)):
-            bad = (~torch.isfinite(t)).nonzero()
-            if len(bad):
-                b, h, tok, d = (int(x) for x in bad[0])
-                where = (f"{name}[batch {b}, head {h}, token {tok} of this update (position {self.seen + tok}), "
-                         f"dim {d}] ({len(bad)} non-finite of this update's {t.numel()} {name} elements)")
-                break
-        return (f"non-finite values in keys/values at {where}; quantized caches refuse them because one NaN "
-                f"would corrupt a whole group of {self.g} tokens; use a full-precision policy to keep them")
 
     def _gather(self, op: str | None, index: torch.Tensor) -> None:
         if op is not None and self.stored:

@@ -1,5 +1,7 @@
 """The lifecycle half of ``Quantize``: its state dict, export, ingest and adopt.
 
+    (state_dict, export and adopt first settle the FiniteGuard: a poisoned layer raises its
+    pending CacheError and is never saved, forked or moved)
     state_dict(q)            kind, config (the block format), window / max_length, spec, seen,
                              stored, recorded, ``residual.*``, ``sinks.*`` (attention sinks) and ``store.*`` (the
                              packed blocks as held: codes and scales, never dequantized)
@@ -31,10 +33,12 @@ import math
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.processors.finite import describe
 from tiercache.layers.state import check_ingest, expect, field, nest, part, spec_from, spec_state
 
 
 def state_dict(q) -> dict:
+    q.finite.settle()  # a poisoned layer is refused, never saved (processors/finite.py)
     return {"kind": "quantize", "config": dataclasses.asdict(q.config), "window": q.window,
             "max_length": q.limit, "spec": spec_state(q.spec), "seen": q.seen, "stored": q.stored,
             "recorded": q.recorded,
@@ -68,6 +72,7 @@ def load_state_dict(q, sd: dict) -> None:
 def export(q, parts: int = 8):
     """Blocks decoded a few runs at a time (the decoder's temporaries stay a fraction of the
     layer), then the residual: fresh ``[B, H, S, D]`` tensors on the compute device."""
+    q.finite.settle()
     if q.spec is None:
         return None
     s, g = q.spec, q.g
@@ -96,7 +101,7 @@ def ingest(q, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
                          "raise max_length in the policy or use storage: full")
     if key.shape[2] and not math.isfinite(float(torch.maximum(
             torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf)))):
-        raise CacheError(q._non_finite(key, value))
+        raise CacheError(describe(key, value, seen - key.shape[2], q.g))
     sinks = min(seen, q.n_sinks)  # the first tokens stay exact (sliding layers keep none)
     if sinks:  # a full layer is given every token: the sinks are its first ones
         sink_k, sink_v = key.narrow(2, 0, sinks), value.narrow(2, 0, sinks)
@@ -128,6 +133,7 @@ def ingest(q, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
 def adopt(q, other) -> None:
     if other.config != q.config:
         raise CacheError(f"adopt: block formats differ ({other.config} vs {q.config}); use ingest(*export())")
+    other.finite.settle()  # the source's pending non-finite refusal surfaces; nothing changed yet
     if other.spec is None:
         q.reset()
         return

@@ -1,0 +1,102 @@
+"""``FiniteGuard``: a quantized layer refuses non-finite keys/values, without a host sync on CUDA.
+
+Interface (used by ``Quantize``)
+    guard.check(key, value, seen, describe)   before an update changes anything
+    guard.surface()                           raise for a flag that has landed (each use calls it)
+    guard.settle()                            wait for every flag, then ``surface()`` (lifecycle)
+    guard.crop_to(seen), guard.reset()        follow the layer's crops and resets
+    guard.pending()                           flags not yet read (tests)
+    describe(key, value, seen, group) -> str  where the first non-finite value of an update is
+
+One NaN would poison the scale of a whole quantization group, so the layer refuses them.
+- CPU (and any device without streams): ``max |x|`` over the new tokens is read at once (NaN and
+  inf propagate); a bad update raises ``CacheError`` (``describe()`` says where) and changes
+  nothing, as before.
+- CUDA: reading the flag would stall the host once per layer per token, so the flag is copied
+  to pinned host memory on the compute stream (non_blocking) with an event, and read when it
+  has landed (``event.query()``, never a wait): at the latest at the layer's next use
+  (``update`` / ``kv``). Then the layer raises ``CacheError`` naming the positions of the
+  earlier update and stays refused ("poisoned") until it is reset or cropped back to before
+  them: that update had already been stored, and only dropping it makes the layer right again.
+
+Lifecycle. The guard's state is not saved: ``state_dict`` / ``export`` / ``adopt`` (so fork,
+retier and save) first ``settle()`` the guard (a wait for the flags still in flight, then the
+same ``CacheError`` the next use would raise), so a poisoned layer is never saved, forked or
+moved silently; a loaded, ingested or adopting layer starts with a clean guard.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tiercache.errors import CacheError
+
+
+class FiniteGuard:
+    def __init__(self):
+        self.flags: list[tuple[int, int, torch.Tensor, object]] = []  # (position, tokens, pinned flag, event)
+        self.bad_at: int | None = None  # first position of a refused (already stored) update
+
+    def check(self, key: torch.Tensor, value: torch.Tensor, seen: int, describe) -> None:
+        self.surface()
+        if not key.shape[2]:
+            return
+        worst = torch.maximum(torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf))  # []
+        if key.device.type != "cuda":
+            if not math.isfinite(float(worst)):
+                raise CacheError(describe())
+            return
+        flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        flag.copy_(~torch.isfinite(worst), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(key.device))
+        self.flags.append((seen, key.shape[2], flag, done))
+
+    def surface(self) -> None:
+        if self.bad_at is None:
+            waiting = []
+            for at, t, flag, done in self.flags:
+                if not done.query():  # not landed yet: read at a later use
+                    waiting.append((at, t, flag, done))
+                elif bool(flag):
+                    self.bad_at, self.flags = at, []
+                    raise CacheError(
+                        f"non-finite values in the keys/values of an earlier update (positions {at}..{at + t - 1}); "
+                        "quantized caches refuse them because one NaN would corrupt a whole group; the layer "
+                        f"refuses further use until reset() or crop() back to {at} tokens")
+            self.flags = waiting
+        if self.bad_at is not None:
+            raise CacheError(f"this quantized layer holds non-finite values from position {self.bad_at}; "
+                             f"reset() it or crop() it back to {self.bad_at} tokens")
+
+    def settle(self) -> None:
+        for _, _, _, done in self.flags:
+            done.synchronize()
+        self.surface()
+
+    def crop_to(self, seen: int) -> None:
+        self.flags = [f for f in self.flags if f[0] < seen]
+        if self.bad_at is not None and seen <= self.bad_at:
+            self.bad_at = None
+
+    def reset(self) -> None:
+        self.flags, self.bad_at = [], None
+
+    def pending(self) -> int:
+        return len(self.flags)
+
+
+def describe(key: torch.Tensor, value: torch.Tensor, seen: int, group: int) -> str:
+    """The refusal of an update (its first token at position ``seen``): where, and why."""
+    where = "an unknown place"
+    for name, t in (("keys", key), ("values", value)):
+        bad = (~torch.isfinite(t)).nonzero()
+        if len(bad):
+            b, h, tok, d = (int(x) for x in bad[0])
+            where = (f"{name}[batch {b}, head {h}, token {tok} of this update (position {seen + tok}), "
+                     f"dim {d}] ({len(bad)} non-finite of this update's {t.numel()} {name} elements)")
+            break
+    return (f"non-finite values in keys/values at {where}; quantized caches refuse them because one NaN "
+            f"would corrupt a whole group of {group} tokens; use a full-precision policy to keep them")
