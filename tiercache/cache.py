@@ -15,13 +15,10 @@ layer's K/V are transformers' placeholders (``tiercache.placeholders``).
 Returned K/V may be views of internal buffers, valid until the next call on the cache (as with
 transformers' own caches, attention consumes them at once).
 
-Lifecycle (``tiercache.lifecycle``, through the layer protocol): ``fork()`` (also ``copy.deepcopy``),
-``retier(policy)`` in place, ``save(path, token_ids=None)`` / ``TieredCache.load(path, config, policy=None)``.
-
-Legacy tuples (``tiercache.legacy``): ``TieredCache.from_legacy(past, policy, config)`` and
-``cache.to_legacy()``. Encoder-decoder models: ``TieredCache.for_encoder_decoder(policy, config)``
-returns a ``TieredEncoderDecoderCache`` (transformers' ``EncoderDecoderCache`` of two
-TieredCaches; the cross-attention half per ``tiercache.cross_attention``).
+Lifecycle (``tiercache.lifecycle``): ``fork()`` (= ``copy.deepcopy``), ``retier(policy)``, ``save`` /
+``load``; legacy tuples (``tiercache.legacy``): ``from_legacy`` / ``to_legacy``; encoder-decoder
+models: ``for_encoder_decoder(policy, config)`` -> ``TieredEncoderDecoderCache`` (transformers'
+``EncoderDecoderCache`` of two TieredCaches, the cross half per ``tiercache.cross_attention``).
 """
 
 from __future__ import annotations

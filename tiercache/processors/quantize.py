@@ -73,10 +73,10 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
+from tiercache.layers.base import KVLayer, check_batch_indices, check_repeats
 from tiercache.layers.spec import KVSpec
 from tiercache.processors import backends
-from tiercache.processors import quantize_state
+from tiercache.processors import quantize_crop, quantize_state
 from tiercache.processors.blocks import BlockCodec
 from tiercache.processors.finite import FiniteGuard, describe
 from tiercache.processors.residual import Residual
@@ -182,75 +182,10 @@ class Quantize(KVLayer):
         return self.window if self.window is not None else (self.limit if self.limit is not None else -1)
 
     def validate_crop(self, n: int) -> None:
-        n = check_crop(n, self.seen)  # past the start: every token (transformers empties the layer)
-        after = self.seen - len(self.sinks)  # tokens after the sinks; a crop past them takes sinks too
-        n = min(n, after)
-        if len(self.residual) < n < after:  # (emptying everything after the sinks is always exact)
-            self._crop_blocks(n)
-
-    def _crop_blocks(self, n: int):
-        """For a crop reaching into the blocks: (blocks dropped, tokens of the cut block kept,
-        the held blocks, how many); raises ``CacheError``, changing nothing, when it cannot."""
-        cut = n - len(self.residual)  # tokens to remove from the blocks
-        drop = -(-cut // self.g)  # whole blocks dropped from the store
-        keep = drop * self.g - cut  # head of the cut block that stays (dequantized)
-        blocks = self._held_blocks()
-        have = 0 if blocks is None else blocks[0].shape[2]
-        if drop > have:
-            raise CacheError(
-                f"cannot crop {n} tokens: {cut} of them are in quantized blocks but only {have} blocks "
-                f"({have * self.g} tokens) are kept; tokens before the window are gone; call "
-                "activate_past_recording() before updates you may want to roll back"
-            )
-        try:
-            self.store.validate_crop(drop)
-        except CacheError:  # the store speaks in blocks; say it in tokens
-            raise CacheError(
-                f"cannot crop {n} tokens from a quantized sliding layer (window {self.window}): the blocks "
-                "before the window are gone; call activate_past_recording() before "
-                "updates you may want to roll back"
-            ) from None
-        return drop, keep, blocks, have
+        quantize_crop.validate(self, n)
 
     def crop(self, n: int) -> None:
-        n = check_crop(n, self.seen)  # past the start: every token (transformers empties the layer)
-        extra = max(0, n - (self.seen - len(self.sinks)))  # the newest sinks go too
-        self._crop_after_sinks(n - extra)
-        self.sinks.truncate(extra)
-        self.seen -= extra
-        self.finite.crop_to(self.seen)  # every path: a flag of a dropped update no longer counts
-
-    def _crop_after_sinks(self, n: int) -> None:
-        held = len(self.residual)
-        if n and n == self.seen - len(self.sinks):  # everything after the sinks, whatever a window dropped
-            if self.stored:
-                self.store.crop(self.store.seq_length())
-            self.residual.clear()
-            self.seen -= n
-            self.recorded = 0
-            return
-        if n <= held:
-            if self.stored:
-                self.store.crop(0)  # a sliding store trims what it kept for a rollback
-            self.residual.truncate(n)
-            self.seen -= n
-            self.recorded = 0
-            return
-        drop, keep, blocks, have = self._crop_blocks(n)
-        restored = None
-        if keep:
-            at = have - drop
-            restored = [torch.empty((*b.shape[:2], self.g, d), dtype=self.spec.dtype, device=b.device)
-                        for b, d in zip(blocks, (self.spec.key_dim, self.spec.value_dim))]  # [B, H, G, D]
-            for codec, b, out in zip(self.codecs, blocks, restored):
-                codec.decode(b[:, :, at : at + 1], out)
-        self.store.crop(drop)  # raises (nothing changed yet) when the store cannot
-        self.residual.clear()
-        if restored is not None:
-            device = self.spec.device
-            self.residual.replace(0, restored[0][:, :, :keep].to(device), restored[1][:, :, :keep].to(device))
-        self.seen -= n
-        self.recorded = 0
+        quantize_crop.crop(self, n)
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         if self.spec is not None:
