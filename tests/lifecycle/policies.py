@@ -1,4 +1,5 @@
-"""Cache policies covering every storage / processor kind (ids readable), and a feeder."""
+"""Cache policies covering every storage / processor kind (ids readable), a feeder, and a model's
+prefill (``filled``) and next logits (``next_logits``) through a cache."""
 
 from __future__ import annotations
 
@@ -38,3 +39,18 @@ def feed(cache, steps, seed: int = 0):
         for i in range(len(cache.layers)):
             h, dk, dv = cache.model.kv_shape(i)
             cache.update(torch.randn(1, h, t, dk, generator=g), torch.randn(1, h, t, dv, generator=g), i)
+
+
+def filled(model, pol, ids):
+    """A cache of ``pol`` (a name of POLICIES, or what ``from_policy`` takes) that prefilled ``ids``."""
+    from tiercache import TieredCache
+
+    cache = TieredCache.from_policy(policy(pol) if isinstance(pol, str) else pol, model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    return cache
+
+
+def next_logits(model, cache, ids):
+    with torch.no_grad():
+        return model(ids, past_key_values=cache).logits

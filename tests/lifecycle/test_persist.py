@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 import models
-from lifecycle.policies import POLICIES, policy
+from lifecycle.policies import POLICIES, filled, next_logits, policy
 from tiercache import CacheError, TieredCache
 from tiercache.lifecycle import persist
 
@@ -28,18 +28,6 @@ def _policy(name, tmp_path):
     return policy(name, tmp_path / "tier")
 
 
-def _filled(model, pol, ids):
-    cache = TieredCache.from_policy(pol, model.config)
-    with torch.no_grad():
-        model(ids, past_key_values=cache)
-    return cache
-
-
-def _next(model, cache, ids):
-    with torch.no_grad():
-        return model(ids, past_key_values=cache).logits
-
-
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "qwen3"])
 @pytest.mark.parametrize("name", SAVE_POLICIES)
 def test_continuing_a_loaded_cache_is_bit_identical(family, name, tmp_path):
@@ -47,30 +35,30 @@ def test_continuing_a_loaded_cache_is_bit_identical(family, name, tmp_path):
         pytest.importorskip("optimum.quanto")
     model = models.build(family)
     ids, nxt = models.prompt(1, 29), models.prompt(1, 3, seed=6)
-    cache = _filled(model, _policy(name, tmp_path), ids)
+    cache = filled(model, _policy(name, tmp_path), ids)
     path = tmp_path / "c.safetensors"
     cache.save(path, token_ids=ids[0])
     loaded = TieredCache.load(path, model.config)
     assert loaded.token_ids == ids[0].tolist() and loaded.get_seq_length() == 29
     assert loaded.policy == cache.policy
     assert [a.nbytes() for a in loaded.layers] == [b.nbytes() for b in cache.layers]
-    assert torch.equal(_next(model, loaded, nxt), _next(model, cache, nxt))
+    assert torch.equal(next_logits(model, loaded, nxt), next_logits(model, cache, nxt))
     more = models.prompt(1, 1, seed=7)
-    assert torch.equal(_next(model, loaded, more), _next(model, cache, more))
+    assert torch.equal(next_logits(model, loaded, more), next_logits(model, cache, more))
 
 
 @pytest.mark.parametrize("name", ["int4", "int4-disk", "int2-token"])
 def test_a_quantized_save_takes_about_its_nbytes(name, tmp_path):
     model = models.build("llama")
     pol = {**policy(name), "quantize": {**POLICIES[name]["quantize"], "group_size": 32, "residual_length": 32}}
-    cache = _filled(model, pol, models.prompt(1, 300))
+    cache = filled(model, pol, models.prompt(1, 300))
     path = tmp_path / "q.safetensors"
     cache.save(path)
     head = int.from_bytes(path.read_bytes()[:8], "little")
     data = path.stat().st_size - 8 - head
     held = sum(sum(layer.nbytes().values()) for layer in cache.layers)
     assert data <= 1.05 * held, (data, held)
-    fp = _filled(model, policy("fp"), models.prompt(1, 300))
+    fp = filled(model, policy("fp"), models.prompt(1, 300))
     fp.save(tmp_path / "fp.safetensors")
     assert path.stat().st_size < 0.4 * (tmp_path / "fp.safetensors").stat().st_size  # packed, not dequantized
 
@@ -78,18 +66,18 @@ def test_a_quantized_save_takes_about_its_nbytes(name, tmp_path):
 def test_load_with_a_policy_retiers_on_the_way_in(tmp_path):
     model = models.build("llama")
     ids, nxt = models.prompt(1, 29), models.prompt(1, 2, seed=3)
-    _filled(model, policy("fp"), ids).save(tmp_path / "c.safetensors")
+    filled(model, policy("fp"), ids).save(tmp_path / "c.safetensors")
     loaded = TieredCache.load(tmp_path / "c.safetensors", model.config, policy=policy("int4-host"))
-    ref = _filled(model, policy("int4-host"), ids)
+    ref = filled(model, policy("int4-host"), ids)
     assert loaded.policy.name == "int4-host" and set(loaded.tier_nbytes()) == {"host", "device"}
-    assert torch.equal(_next(model, loaded, nxt), _next(model, ref, nxt))
+    assert torch.equal(next_logits(model, loaded, nxt), next_logits(model, ref, nxt))
 
 
 @pytest.fixture
 def saved(tmp_path):
     model = models.build("llama")
     ids = models.prompt(1, 29)
-    cache = _filled(model, policy("int4"), ids)
+    cache = filled(model, policy("int4"), ids)
     path = tmp_path / "c.safetensors"
     cache.save(path, token_ids=ids[0])
     return model, cache, path
@@ -167,7 +155,7 @@ def test_token_ids_must_cover_every_token_the_cache_holds(saved, tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
     cache.save(tmp_path / "g.safetensors", token_ids=ids + [9])  # a generate output: one past the cache
     assert TieredCache.load(tmp_path / "g.safetensors", model.config).token_ids == ids + [9]
-    wide = _filled(model, policy("fp"), models.prompt(2, 7))
+    wide = filled(model, policy("fp"), models.prompt(2, 7))
     wide.save(tmp_path / "w.safetensors", token_ids=models.prompt(2, 7))
     assert TieredCache.load(tmp_path / "w.safetensors", model.config).token_ids == models.prompt(2, 7).tolist()
 
@@ -218,7 +206,7 @@ def test_a_save_from_another_device_is_loaded_where_asked(saved):
             TieredCache.load(path, model.config)
     loaded = TieredCache.load(path, model.config, device="cpu")
     nxt = models.prompt(1, 2, seed=9)
-    assert torch.equal(_next(model, loaded, nxt), _next(model, cache, nxt))
+    assert torch.equal(next_logits(model, loaded, nxt), next_logits(model, cache, nxt))
     with pytest.raises(CacheError, match="device must be"):
         TieredCache.load(path, model.config, device="nowhere")
 

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 
 import models
-from lifecycle.policies import POLICIES, feed, policy
+from lifecycle.policies import POLICIES, feed, filled, next_logits, policy
 from tiercache import CacheError, TieredCache
 from tiercache.lifecycle.meter import AllocationMeter
 
@@ -20,24 +20,12 @@ QUANT = ["int4", "int4-host", "int2-token", "hqq"]
 PAIRS = [(a, b) for a in LOSSLESS + QUANT for b in LOSSLESS + QUANT if a != b]
 
 
-def _filled(model, name, ids):
-    cache = TieredCache.from_policy(policy(name), model.config)
-    with torch.no_grad():
-        model(ids, past_key_values=cache)
-    return cache
-
-
-def _next(model, cache, ids):
-    with torch.no_grad():
-        return model(ids, past_key_values=cache).logits
-
-
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 @pytest.mark.parametrize("a,b", PAIRS, ids=[f"{a}-to-{b}" for a, b in PAIRS])
 def test_retier_gives_the_state_of_the_new_policy(family, a, b):
     model = models.build(family)
     ids, nxt = models.prompt(1, 30), models.prompt(1, 3, seed=4)
-    cache = _filled(model, a, ids)
+    cache = filled(model, a, ids)
     original = [layer.export() for layer in cache.layers]
     original = [(k.clone(), v.clone(), s) for k, v, s in original]
     cache.retier(policy(b))
@@ -49,7 +37,7 @@ def test_retier_gives_the_state_of_the_new_policy(family, a, b):
     # only the window's tail is compared, within quantization error.
     approx = family == "mistral" and a in LOSSLESS and b in QUANT
     if a in LOSSLESS or same_format:  # bit-identical to a cache of the new policy fed the same tokens
-        ref = _filled(model, b, ids)
+        ref = filled(model, b, ids)
         for x, y in zip(cache.layers, ref.layers):
             (k, v, s), (k2, v2, s2) = x.export(), y.export()
             assert s == s2 and k.shape == k2.shape
@@ -57,7 +45,7 @@ def test_retier_gives_the_state_of_the_new_policy(family, a, b):
                 assert torch.equal(k[:, :, -2:], k2[:, :, -2:]) and (k - k2)[:, :, -7:].abs().max() < 0.5
             else:
                 assert torch.equal(k, k2) and torch.equal(v, v2)
-        logits, ref_logits = _next(model, cache, nxt), _next(model, ref, nxt)
+        logits, ref_logits = next_logits(model, cache, nxt), next_logits(model, ref, nxt)
         assert torch.allclose(logits, ref_logits, atol=0.05) if approx else torch.equal(logits, ref_logits)
     elif b in LOSSLESS:  # out of quantization: exactly the dequantized values the cache held
         for layer, (k, v, s) in zip(cache.layers, original):
@@ -69,12 +57,12 @@ def test_retier_gives_the_state_of_the_new_policy(family, a, b):
             k2, v2, s2 = layer.export()
             n = min(k.shape[2], k2.shape[2])
             assert s2 == s and (k2[:, :, -n:] - k[:, :, -n:]).abs().max() < 1.5
-        assert torch.isfinite(_next(model, cache, nxt)).all()
+        assert torch.isfinite(next_logits(model, cache, nxt)).all()
 
 
 def test_same_block_format_moves_packed_bytes_as_they_are():
     model = models.build("llama")
-    cache = _filled(model, "int4", models.prompt(1, 30))
+    cache = filled(model, "int4", models.prompt(1, 30))
     before = [{k: v.clone() for k, v in layer.state_dict().items() if k.startswith("store.") and
                isinstance(v, torch.Tensor)} for layer in cache.layers]
     cache.retier(policy("int4-host"))
@@ -110,7 +98,7 @@ def _unchanged(cache, snap):
 ])
 def test_a_policy_that_cannot_hold_the_cache_is_refused_before_any_layer_moves(bad, match):
     model = models.build("llama")
-    cache = _filled(model, "int4-host", models.prompt(1, 30))
+    cache = filled(model, "int4-host", models.prompt(1, 30))
     snap = _snapshot(cache)
     with pytest.raises((CacheError, ValueError), match=match):
         cache.retier(bad)
@@ -120,7 +108,7 @@ def test_a_policy_that_cannot_hold_the_cache_is_refused_before_any_layer_moves(b
 def test_a_failure_while_moving_puts_moved_layers_back(monkeypatch):
     model = models.build("llama")
     ids = models.prompt(1, 30)
-    cache = _filled(model, "fp", ids)
+    cache = filled(model, "fp", ids)
     snap = _snapshot(cache)
     from tiercache.layers.full import FullLayer
 
@@ -142,9 +130,9 @@ def test_a_failure_while_moving_puts_moved_layers_back(monkeypatch):
     for layer, state in zip(cache.layers, states):
         k, v, _ = layer.export()
         assert torch.equal(k, state["buffer.keys"]) and torch.equal(v, state["buffer.values"])
-    ref = _filled(model, "fp", ids)
+    ref = filled(model, "fp", ids)
     nxt = models.prompt(1, 2, seed=8)
-    assert torch.equal(_next(model, cache, nxt), _next(model, ref, nxt))
+    assert torch.equal(next_logits(model, cache, nxt), next_logits(model, ref, nxt))
 
 
 G32 = {"bits": 4, "group_size": 32, "residual_length": 64}  # groups of a real deployment (meta ~6%)
@@ -176,11 +164,11 @@ def test_a_recording_sliding_layer_keeps_its_rollback_tokens_through_a_lossless_
     cache, ref = (TieredCache.from_policy(policy("fp"), model.config) for _ in range(2))
     for c in (cache, ref):
         c.activate_past_recording()
-        _next(model, c, ids)
+        next_logits(model, c, ids)
     held = [layer.keys for layer in cache.layers]
     cache.retier(policy(b, tmp_path))
     assert all(torch.equal(layer.keys, k) for layer, k in zip(cache.layers, held))  # [B, H, 14, D]: all recorded
     for c in (cache, ref):
         c.crop(-10)  # back before the window: only the recorded tokens make this possible
     nxt = models.prompt(1, 2, seed=5)
-    assert torch.equal(_next(model, cache, nxt), _next(model, ref, nxt))
+    assert torch.equal(next_logits(model, cache, nxt), next_logits(model, ref, nxt))
