@@ -7,6 +7,7 @@ Interface (used by ``Quantize``)
     guard.crop_to(seen), guard.reset()        follow the layer's crops and resets
     guard.pending()                           flags not yet read (tests)
     describe(key, value, seen, group) -> str  where the first non-finite value of an update is
+    refuse_non_finite(key, value, describe)   the synchronous check (CPU updates, bulk ingest)
 
 One NaN would poison the scale of a whole quantization group, so the layer refuses them.
 - CPU (and any device without streams): ``max |x|`` over the new tokens is read at once (NaN and
@@ -34,6 +35,17 @@ import torch
 from tiercache.errors import CacheError
 
 
+def _worst(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` over keys and values (NaN and inf propagate), a 0-dim tensor on their device."""
+    return torch.maximum(torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf))
+
+
+def refuse_non_finite(key: torch.Tensor, value: torch.Tensor, describe) -> None:
+    """``CacheError(describe())`` when ``key`` or ``value`` holds a NaN or inf (one host read)."""
+    if key.shape[2] and not math.isfinite(float(_worst(key, value))):
+        raise CacheError(describe())
+
+
 class FiniteGuard:
     def __init__(self):
         self.flags: list[tuple[int, int, torch.Tensor, object]] = []  # (position, tokens, pinned flag, event)
@@ -43,11 +55,10 @@ class FiniteGuard:
         self.surface()
         if not key.shape[2]:
             return
-        worst = torch.maximum(torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf))  # []
         if key.device.type != "cuda":
-            if not math.isfinite(float(worst)):
-                raise CacheError(describe())
+            refuse_non_finite(key, value, describe)
             return
+        worst = _worst(key, value)
         flag = torch.empty((), dtype=torch.bool, pin_memory=True)
         flag.copy_(~torch.isfinite(worst), non_blocking=True)
         done = torch.cuda.Event()

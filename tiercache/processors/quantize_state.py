@@ -28,12 +28,11 @@ every token (documented; every other block and the residual are exactly as fed).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.processors.finite import describe
+from tiercache.processors.finite import describe, refuse_non_finite
 from tiercache.layers.state import check_ingest, expect, field, nest, part, spec_from, spec_state
 
 
@@ -99,9 +98,7 @@ def ingest(q, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
     if q.limit is not None and seen > q.limit:
         raise CacheError(f"static storage holds at most max_length={q.limit} tokens, cannot take {seen}; "
                          "raise max_length in the policy or use storage: full")
-    if key.shape[2] and not math.isfinite(float(torch.maximum(
-            torch.linalg.vector_norm(key, math.inf), torch.linalg.vector_norm(value, math.inf)))):
-        raise CacheError(describe(key, value, seen - key.shape[2], q.g))
+    refuse_non_finite(key, value, lambda: describe(key, value, seen - key.shape[2], q.g))
     sinks = min(seen, q.n_sinks)  # the first tokens stay exact (sliding layers keep none)
     if sinks:  # a full layer is given every token: the sinks are its first ones
         sink_k, sink_v = key.narrow(2, 0, sinks), value.narrow(2, 0, sinks)
