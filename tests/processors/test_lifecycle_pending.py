@@ -51,7 +51,7 @@ def deferred(monkeypatch):
     def write_back(layer, key, value, host_k, host_v):
         host_k.copy_(key)
         host_v.copy_(value)
-        layer.staged.append((host_k, host_v, InFlight()))
+        layer.staged.push(host_k, host_v, InFlight())
 
     monkeypatch.setattr(writeback, "write_back", write_back)
 

@@ -99,7 +99,7 @@ def test_device_oom_while_fetching_is_a_cache_error_and_changes_nothing(monkeypa
     with pytest.raises(CacheError, match="offload: cannot allocate .* CUDA out of memory"):
         layers[0].update(*kv(1, 1, 1))
     monkeypatch.undo()
-    assert layers[0].seq_length() == 5 and layers[0].slot is None
+    assert layers[0].seq_length() == 5 and pf.mirror(layers[0]) is None
     k, v = kv(1, 1, 2)
     out, want = layers[0].update(k, v), ref.update(k, v)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
@@ -125,7 +125,7 @@ def test_fetch_ahead_failure_does_not_fail_the_update(monkeypatch):
     pf.close()
     device_oom(monkeypatch, succeed=1)  # the layer in use gets its buffer, the one ahead does not
     layers[0].update(*kv(1, 1, 9))
-    assert layers[0].seq_length() == 6 and layers[1].slot is None
+    assert layers[0].seq_length() == 6 and pf.mirror(layers[1]) is None
 
 
 def test_refused_first_update_leaves_a_quantized_layer_as_new(monkeypatch):

@@ -10,12 +10,16 @@ files), brought to the compute device just before use.
         which reuse the slots: KV sharing).
 
 It is a layer (``tiercache.layers.base`` protocol) and reads the layer it wraps only through
-that protocol. The device side is a *mirror* in a reusable slot of the prefetcher's pool: when
-a layer is used (``update`` or ``kv``) the prefetcher makes its mirror ready and starts fetching
-the next ``prefetch`` offloaded layers on a side stream. ``update`` writes the new tokens to
-the mirror device-to-device and sends only those tokens to the host (device -> host, then the
-inner layer appends them): never the whole layer per token. Any dtype works (the packed uint8
-blocks of ``Quantize`` cross the bus compressed), and keys and values may differ in head dim.
+that protocol. The device side is a *mirror* (``tiercache.processors.mirror.Mirror``) in a
+reusable slot of the prefetcher's pool, owned by the prefetcher: when a layer is used
+(``update`` or ``kv``) ``prefetcher.acquire`` makes its mirror ready, returns it and starts
+fetching the next ``prefetch`` offloaded layers on a side stream. ``update`` asks the
+prefetcher for room (``reserve``), writes the new tokens to the mirror device-to-device
+(``mirror.append``) and sends only those tokens to the host (device -> host, then the inner
+layer appends them): never the whole layer per token. The layer holds no reference to its
+mirror between calls; it offers the prefetcher ``host_kv()`` and ``pad`` to fetch it. Any
+dtype works (the packed uint8 blocks of ``Quantize`` cross the bus compressed), and keys and
+values may differ in head dim.
 
 ``peek()`` (and ``keys`` / ``values``) bypass the mirror and the prefetcher: they copy the host
 copy to the compute device, so reading them never evicts the slot another layer is using.
@@ -47,15 +51,15 @@ import torch
 
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer
-from tiercache.layers.buffer import capacity_for
 from tiercache.layers.spec import check_pair
 from tiercache.layers.state import expect, nest, part
 from tiercache.policy import OffloadPolicy
 from tiercache.processors import writeback
+from tiercache.processors.mirror import nbytes_of, row_stride
 from tiercache.processors.prefetch import Prefetcher
 from tiercache.tiers import HostTier
 
-__all__ = ["Offload", "Prefetcher", "offloaded"]
+__all__ = ["Offload", "Prefetcher", "offloaded", "row_stride"]
 
 
 def offloaded(make_storage_on, config: OffloadPolicy, prefetcher: Prefetcher, index: int,
@@ -69,22 +73,6 @@ def offloaded(make_storage_on, config: OffloadPolicy, prefetcher: Prefetcher, in
         tier = HostTier(config.pin_memory)
     return Offload(make_storage_on(tier), prefetcher, index, depth=config.prefetch, owned_outputs=owned_outputs,
                    deferred=config.device == "cpu")
-
-
-def row_stride(t: torch.Tensor) -> int | None:
-    """``C`` when ``t`` ``[B, H, S, D]`` is the first ``S`` tokens of rows of ``C`` tokens laid
-    end to end (what storage layers return), so one flat span of memory holds all of it."""
-    b, h, s, d = t.shape
-    st = t.stride()
-    if (d > 1 and st[3] != 1) or (s > 1 and st[2] != d):
-        return None
-    row = st[1] if h > 1 else (st[0] if b > 1 else s * d)
-    if row % max(d, 1) or row // max(d, 1) < s:
-        return None
-    c = row // max(d, 1)
-    if b > 1 and st[0] != h * c * d:
-        return None
-    return c
 
 
 class Offload(KVLayer):
@@ -101,14 +89,9 @@ class Offload(KVLayer):
         limit = inner.max_length()
         self.pad = limit if (not inner.is_sliding and limit > 0) else 0  # static: views span max_length
         self.device: torch.device | None = None  # the compute device, from the first update
-        self.slot = None  # set and cleared by the prefetcher
-        self.k: torch.Tensor | None = None  # [B, H, C, Dk] mirror in the slot
-        self.v: torch.Tensor | None = None  # [B, H, C, Dv]
-        self.lo = 0  # first held token in the mirror
-        self.held = 0  # tokens held (== what inner.kv() holds once the staged write-backs have joined it)
-        # CUDA write-backs not yet in the host layer: (keys, values, event), oldest first (full storage only)
+        # CUDA write-backs not yet in the host layer, oldest first (full storage only)
         self.deferred = deferred and not inner.is_sliding and inner.max_length() <= 0
-        self.staged: list[tuple[torch.Tensor, torch.Tensor, object]] = []
+        self.staged = writeback.Staged(prefetcher, index)
         self.key = prefetcher.register(self, index)
 
     # -- the protocol -----------------------------------------------------------------------
@@ -122,24 +105,20 @@ class Offload(KVLayer):
         host_k, host_v = writeback.staging(key, value) if defer else writeback.to_host(key, value)  # [B, H, T, D] on the CPU
         self.inner.validate_update(host_k, host_v)  # shape, dtype, batch, room: before the mirror changes
         self.device = key.device
-        self.prefetcher.acquire(self, room=t)  # may raise CacheError (device memory): nothing changed
-        if self.k is None or self.lo + self.held + t > self.k.shape[2]:
-            self._make_room(key, value)  # likewise, before the host copy changes
+        mirror = self.prefetcher.acquire(self, room=t)  # may raise CacheError (device memory): nothing changed
+        self.prefetcher.reserve(mirror, key, value)  # likewise, before the host copy changes
         if defer:  # full storage: it will show every held token
             writeback.write_back(self, key, value, host_k, host_v)
-            shown = self.held + t
+            shown = mirror.held + t
         else:
             out = self.inner.update(host_k, host_v)  # may still raise (disk full): the mirror holds the same tokens
             shown = out[0].shape[2]
-        self.prefetcher.count_d2h(_bytes(key) + _bytes(value))
-        self._append(key, value)
-        n = self.held
-        a = self.lo + n - shown if shown <= n else self.lo  # the inner's answer, on the device
-        result = self.k[:, :, a : a + shown], self.v[:, :, a : a + shown]
+        self.prefetcher.count_d2h(nbytes_of(key) + nbytes_of(value))
+        mirror.append(key, value)
+        result = mirror.shown(shown)  # the inner's answer, on the device
         if not defer:
             kept = self.inner.kv()
-            kept = 0 if kept is None else kept[0].shape[2]
-            self.lo, self.held = self.lo + n - kept, kept  # the inner keeps a suffix of held + new
+            mirror.keep(0 if kept is None else kept[0].shape[2])  # the inner keeps a suffix of held + new
         if self.owned_outputs:
             return result[0].clone(), result[1].clone()
         return result
@@ -158,31 +137,39 @@ class Offload(KVLayer):
         self._settle()
         self.inner.validate_crop(n)
 
+    # Host-side operations: pending write-backs join the host copy, the mirror is dropped
+    # (``_release_mirror``), then the host layer changes; the next use fetches it again.
     def crop(self, n: int) -> None:
-        self._on_host("crop", n)
+        self._release_mirror()
+        self.inner.crop(n)
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
-        self._on_host("reorder", beam_idx)
+        self._release_mirror()
+        self.inner.reorder(beam_idx)
 
     def select(self, indices: torch.Tensor) -> None:
-        self._on_host("select", indices)
+        self._release_mirror()
+        self.inner.select(indices)
 
     def repeat_interleave(self, repeats: int) -> None:
-        self._on_host("repeat_interleave", repeats)
+        self._release_mirror()
+        self.inner.repeat_interleave(repeats)
 
     def set_recording(self, on: bool) -> None:
-        self._on_host("set_recording", on)
+        self._release_mirror()
+        self.inner.set_recording(on)
 
     @property
     def recording(self) -> bool:
         return self.inner.record_past
 
     def reset(self) -> None:
-        self._on_host("reset")
+        self._release_mirror()
+        self.inner.reset()
         self.device = None
 
     def close(self) -> None:
-        self.staged = []  # the layer is dropped: its pending write-backs are of no use
+        self.staged.clear()  # the layer is dropped: its pending write-backs are of no use
         self.prefetcher.unregister(self)
         self.inner.close()
         self.device = None
@@ -191,8 +178,7 @@ class Offload(KVLayer):
         self._settle()
         if self.inner.kv() is None:
             return None
-        self.prefetcher.acquire(self)
-        return self.k[:, :, self.lo : self.lo + self.held], self.v[:, :, self.lo : self.lo + self.held]
+        return self.prefetcher.acquire(self).kv()
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A copy of the host copy on the compute device, read through the wrapped layer's
@@ -258,98 +244,22 @@ class Offload(KVLayer):
         self.device = key.device
 
     def evict(self) -> None:
-        self._settle()
-        self.prefetcher.evict(self)
-        self.k = self.v = None  # the slot's memory is no longer held through this layer
-        self.lo = self.held = 0
+        self._release_mirror()  # the prefetcher drops the mirror: no view of the slot is left
 
     def prefetch(self) -> None:
         if self.device is not None and self.inner.kv() is not None:
             self.prefetcher.prefetch(self)
 
-    # -- prefetcher callbacks ---------------------------------------------------------------
-    def plan_fetch(self, room: int):
-        """Bytes the mirror needs to hold the host copy plus ``room`` tokens; the plan for fill."""
+    # -- what the prefetcher reads to fetch the mirror (and ``key``, ``depth``, ``device``, ``pad``)
+    def host_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The host copy, ``[B, H, S, D]`` views, every staged write-back joined first."""
         self._settle()
-        held = self.inner.kv()
-        if held is None:
-            return 0, None
-        hk, hv = held  # [B, H, S, D] host views
-        s = hk.shape[2]
-        ck, cv = row_stride(hk), row_stride(hv)
-        # One flat copy per tensor when the host rows allow it; an update needing more room than
-        # the host rows have regrows the mirror on the device (cheap next to the bus).
-        flat = ck is not None and ck == cv and ck >= self.pad and hk.shape[0] * hk.shape[1] > 0
-        cap = ck if flat else max(capacity_for(s + room), self.pad)
-        return _layout_bytes(hk, hv, cap), (hk, hv, cap, flat)
-
-    def fill(self, slot, plan) -> int:
-        """Copy the host layer into ``slot`` (the side stream is current); returns bytes moved."""
-        if plan is None:
-            self.k = self.v = None
-            self.lo = self.held = 0
-            return 0
-        hk, hv, cap, flat = plan
-        b, h, s = hk.shape[:3]
-        self.k, self.v = slot.views([(b, h, cap, hk.shape[3]), (b, h, cap, hv.shape[3])], hk.dtype)
-        for dst, src in ((self.k, hk), (self.v, hv)):
-            if flat:  # one contiguous span: rows of `cap` tokens, the last one cut at `s`
-                n = ((b * h - 1) * cap + s) * src.shape[3]
-                dst.view(-1)[:n].copy_(src.as_strided((n,), (1,)), non_blocking=True)
-            else:
-                dst[:, :, :s].copy_(src, non_blocking=True)
-            if self.pad:
-                dst[:, :, s:].zero_()  # static: attention reads the masked tail; keep it finite
-        self.lo, self.held = 0, s
-        return _bytes(hk) + _bytes(hv)
+        return self.inner.kv()
 
     # -- internals --------------------------------------------------------------------------
     def _settle(self) -> None:
         writeback.settle(self)
 
-    def _on_host(self, method: str, *args) -> None:
+    def _release_mirror(self) -> None:
         self._settle()
         self.prefetcher.evict(self)  # waits for any fetch reading the host copy
-        getattr(self.inner, method)(*args)
-
-    def _append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Write the new tokens after the held ones in the mirror (device to device)."""
-        t = key.shape[2]
-        if self.k is None or self.lo + self.held + t > self.k.shape[2]:
-            self._make_room(key, value)
-        end = self.lo + self.held
-        self.k[:, :, end : end + t].copy_(key)
-        self.v[:, :, end : end + t].copy_(value)
-        self.held += t
-
-    def _make_room(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        need = self.held + key.shape[2]
-        if self.k is not None and need <= self.k.shape[2]:  # slide the held tokens to the front
-            for m in (self.k, self.v):
-                m[:, :, : self.held].copy_(m[:, :, self.lo : self.lo + self.held].clone())
-            self.lo = 0
-            return
-        cap = max(capacity_for(need), self.pad)
-        b, h = key.shape[:2]
-        shapes = [(b, h, cap, key.shape[3]), (b, h, cap, value.shape[3])]
-        old = (self.k[:, :, self.lo : self.lo + self.held], self.v[:, :, self.lo : self.lo + self.held]) if self.held else None
-        nbytes = _layout_bytes(key, value, cap)
-        if old is not None or nbytes > self.slot.nbytes():
-            self.prefetcher.grow(self.slot, nbytes, key.device)  # fresh bytes: `old` stays valid
-        self.k, self.v = self.slot.views(shapes, key.dtype)
-        if self.pad:
-            self.k.zero_()
-            self.v.zero_()
-        if old is not None:
-            self.k[:, :, : self.held].copy_(old[0])
-            self.v[:, :, : self.held].copy_(old[1])
-        self.lo = 0
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _layout_bytes(k: torch.Tensor, v: torch.Tensor, cap: int) -> int:
-    b, h = k.shape[:2]
-    return b * h * cap * (k.shape[3] + v.shape[3]) * k.element_size()

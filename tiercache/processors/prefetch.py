@@ -1,22 +1,29 @@
-"""The Prefetcher: one per cache, shared by its offloaded layers; owns the side stream and the
-pool of device buffers (slots) that hold device copies ("mirrors") of offloaded layers.
+"""The Prefetcher: one per cache, shared by its offloaded layers; owns the side stream, the
+pool of device buffers (slots) and the device copies of offloaded layers in them: one
+``Mirror`` (``tiercache.processors.mirror``) per fetched layer, created, regrown and
+invalidated here only.
 
 Interface used by ``Offload`` (``tiercache.processors.offload``)
     register(layer, index) -> key          order the layer among the offloaded ones
-    acquire(layer, room)                   make ``layer`` the one in use: its mirror is on the
+    acquire(layer, room) -> Mirror         make ``layer`` the one in use: its mirror is on the
                                            device, waited for on the compute stream; the next
                                            ``layer.depth`` layers (cyclic) start fetching
+    reserve(mirror, key, value)            room in the mirror for these new tokens (slide, or
+                                           regrow into fresh slot bytes with the held tokens)
+    mirror(layer) -> Mirror | None         the layer's mirror now, if fetched (no fetch)
     prefetch(layer)                        start fetching ``layer`` if a slot is free
     evict(layer)                           drop the layer's mirror (after crop, reorder ...)
-    grow(slot, nbytes)                     more room in a slot, held bytes kept
-    count_d2h(nbytes), nbytes(), close()
+    count_d2h(nbytes), count_host_wait(), stats(), nbytes(), close()
     side_stream(device) -> torch.cuda.Stream       the side stream (offload write-backs use it too)
 
-A layer offers two callbacks: ``plan_fetch(room) -> (nbytes, plan)`` and ``fill(slot, plan)``
-(the host -> device copies, enqueued while the side stream is current).
+A layer offers, read-only: ``key`` (from ``register``), ``depth`` (layers fetched ahead),
+``device`` (its compute device), ``pad`` (its mirror's least capacity: a static layer's
+max_length, else 0) and ``host_kv()`` (its host copy, ``[B, H, S, D]`` views, or None; pending
+write-backs joined first). The prefetcher never writes a layer's attributes; a ``Mirror`` it
+has dropped is marked ``valid = False`` and holds no views.
 
 Errors: a device buffer that cannot be allocated (``torch.OutOfMemoryError``) raises
-``CacheError`` from ``acquire`` / ``grow`` before any slot or mirror changes; a fetch *ahead*
+``CacheError`` from ``acquire`` / ``reserve`` before any slot or mirror changes; a fetch *ahead*
 that cannot get one is skipped (the layer is fetched, or reports, when it is used).
 
 Safety (CUDA): a fetch runs on the side stream after ``wait_event(slot.release)``, the event
@@ -27,9 +34,10 @@ lands. Slot memory is allocated on the compute stream and ``record_stream``-ed o
 At most ``depth + 1`` slots exist: the layer in use and the ones fetched ahead. Without CUDA
 there is no stream or event; the copies are real, synchronous copies on the CPU.
 
-Counters: ``bytes_h2d`` (host -> device, fetches), ``bytes_d2h`` (new tokens written back),
-``fetches`` and ``side_fetches`` (those enqueued on a side stream), ``host_waits`` (times an
-offloaded layer had to block on a write-back that had not landed yet: 0 in steady decoding).
+Counters (``stats()``; ``TieredCache.offload_stats()``): ``bytes_h2d`` (host -> device,
+fetches), ``bytes_d2h`` (new tokens written back), ``fetches`` and ``side_fetches`` (those
+enqueued on a side stream), ``host_waits`` (times an offloaded layer had to block on a
+write-back that had not landed yet: 0 in steady decoding).
 """
 
 from __future__ import annotations
@@ -40,9 +48,11 @@ import weakref
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.processors.mirror import Mirror, layout_bytes, mirror_capacity, plan
 from tiercache.tiers import place_of
 
 ALIGN = 2 << 20  # slot bytes grow in 2 MiB steps
+COUNTERS = ("bytes_h2d", "bytes_d2h", "fetches", "side_fetches", "host_waits")
 
 
 class Slot:
@@ -75,6 +85,7 @@ class Prefetcher:
         self.layers: dict[int, weakref.ref] = {}
         self.order: list[tuple[int, int]] = []  # (model layer index, key), sorted
         self.slots: list[Slot] = []
+        self.mirrors: dict[int, Mirror] = {}  # layer key -> its mirror, while fetched
         self.current: int | None = None
         self.stream = None  # side CUDA stream, made at the first CUDA fetch
         self._next_key = 0
@@ -97,29 +108,36 @@ class Prefetcher:
         self.order = [(i, k) for i, k in self.order if k != layer.key]
 
     # -- the schedule -----------------------------------------------------------------------
-    def acquire(self, layer, room: int = 0) -> None:
+    def acquire(self, layer, room: int = 0) -> Mirror:
         """``layer`` is in use now: its mirror is ready on the compute stream; fetch ahead."""
-        if self.current == layer.key and layer.slot is not None:
-            return
+        mirror = self.mirrors.get(layer.key)
+        if self.current == layer.key and mirror is not None:
+            return mirror
         wanted = [layer, *self._ahead(layer)]
         keep = {w.key for w in wanted}
         for slot in self.slots:
             if slot.owner is not None and slot.owner not in keep:
                 self._release(slot)
-        if layer.slot is None:
+        if layer.key not in self.mirrors:
             self._fetch(layer, room)
+        mirror = self.mirrors[layer.key]
         self.current = layer.key
-        self._wait(layer.slot)
+        self._wait(mirror.slot)
         for nxt in wanted[1:]:
-            if nxt.slot is None:
+            if nxt.key not in self.mirrors:
                 try:
                     self._fetch(nxt, 1)
                 except CacheError:
                     break  # fetching ahead is optional: that layer is fetched (or reports) when used
+        return mirror
+
+    def mirror(self, layer) -> Mirror | None:
+        """The layer's mirror now, if it is fetched (nothing is fetched or waited for)."""
+        return self.mirrors.get(layer.key)
 
     def prefetch(self, layer) -> None:
         """Start fetching ``layer`` ahead of use, if a slot is free (never evicts)."""
-        if layer.slot is None and any(s.owner is None for s in self.slots):
+        if layer.key not in self.mirrors and any(s.owner is None for s in self.slots):
             try:
                 self._fetch(layer, 1)
             except CacheError:
@@ -127,18 +145,39 @@ class Prefetcher:
 
     def evict(self, layer) -> None:
         """Forget the layer's mirror; wait for its fetch so its host copy may change."""
-        if layer.slot is not None:
-            if layer.slot.ready is not None:
-                layer.slot.ready.synchronize()
-            self._release(layer.slot)
+        mirror = self.mirrors.get(layer.key)
+        if mirror is not None:
+            if mirror.slot.ready is not None:
+                mirror.slot.ready.synchronize()
+            self._release(mirror.slot)
         if self.current == layer.key:
             self.current = None
 
-    def grow(self, slot: Slot, nbytes: int, device) -> torch.Tensor | None:
-        """Give ``slot`` ``nbytes`` of fresh memory (compute stream); returns the old bytes to copy."""
-        old = slot.data
-        slot.data = self._alloc(nbytes, device)
-        return old
+    def reserve(self, mirror: Mirror, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Room in ``mirror`` (acquired, in use) for the tokens of ``key`` / ``value`` after the
+        held ones: slide the held tokens to the front, or move them to fresh, larger slot bytes
+        (compute stream). Raises ``CacheError`` (device memory) before anything changes."""
+        t = key.shape[2]
+        if mirror.has_room(t):
+            return
+        need = mirror.held + t
+        if mirror.k is not None and need <= mirror.capacity:
+            mirror.slide()
+            return
+        cap = mirror_capacity(need, mirror.pad)
+        old = mirror.kv() if mirror.held else None
+        nbytes = layout_bytes(key, value, cap)
+        slot = mirror.slot
+        if old is not None or nbytes > slot.nbytes():
+            slot.data = self._alloc(nbytes, key.device)  # fresh bytes: `old` stays valid
+        mirror.relayout(cap, key, value, old)
+
+    def stats(self) -> dict[str, int]:
+        """The counters (see the module docstring), by name."""
+        return {name: getattr(self, name) for name in COUNTERS}
+
+    def count_host_wait(self) -> None:
+        self.host_waits += 1
 
     def side_stream(self, device) -> "torch.cuda.Stream":
         if self.stream is None:
@@ -163,6 +202,7 @@ class Prefetcher:
         for slot in self.slots:
             self._release(slot)
         self.slots = []
+        self.mirrors = {}
         self.current = None
 
     # -- internals --------------------------------------------------------------------------
@@ -176,10 +216,9 @@ class Prefetcher:
         return [self.layers[k]() for k in ahead]
 
     def _release(self, slot: Slot) -> None:
-        owner = self.layers.get(slot.owner) if slot.owner is not None else None
-        layer = owner() if owner is not None else None
-        if layer is not None:
-            layer.slot = None
+        mirror = self.mirrors.pop(slot.owner, None) if slot.owner is not None else None
+        if mirror is not None:
+            mirror.invalidate()
         slot.owner = None
         if slot.data is not None and slot.data.is_cuda:
             slot.release = torch.cuda.Event()
@@ -187,15 +226,16 @@ class Prefetcher:
 
     def _fetch(self, layer, room: int) -> None:
         slot = next((s for s in self.slots if s.owner is None), None) or Slot()
-        nbytes, plan = layer.plan_fetch(room)
-        fresh = nbytes > slot.nbytes()
+        p = plan(layer.host_kv(), room, layer.pad)  # host_kv may raise CacheError (a failed write-back)
+        fresh = p is not None and p.nbytes > slot.nbytes()
         if fresh:  # may raise CacheError: then no slot is taken and nothing has changed
-            slot.data = self._alloc(nbytes, layer.device)  # the old bytes are not needed
+            slot.data = self._alloc(p.nbytes, layer.device)  # the old bytes are not needed
         if slot not in self.slots:
             self.slots.append(slot)
-        slot.owner, layer.slot = layer.key, slot
+        slot.owner = layer.key
+        mirror = self.mirrors[layer.key] = Mirror(slot, layer.pad)
         with self._side(slot, fresh):
-            moved = layer.fill(slot, plan)
+            moved = mirror.fill(p)
         self.bytes_h2d += moved
         self.fetches += 1
 

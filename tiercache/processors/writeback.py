@@ -7,6 +7,10 @@ Interface (used by ``tiercache.processors.offload.Offload``; ``layer`` is the Of
     write_back(layer, key, value, host_k, host_v)   enqueue the staged copy (no host sync)
     staged_tokens(layer) -> int                 tokens staged, not yet in the host layer
     settle(layer)                               join the landed write-backs to the host layer
+    Staged(prefetcher, index)                   the layer's queue of staged write-backs (``layer.staged``):
+        push(host_k, host_v, done), len(), tokens(), settle(inner), clear()
+The module reads the layer (``deferred``, ``prefetcher``, ``inner``, ``staged``) and changes
+only its ``Staged`` queue, through the queue's methods.
 
 Write-back on CUDA (``deferred``: full storage in pinned host memory, the ``cpu`` tier): the new
 tokens are copied into a pinned staging pair on the prefetcher's side stream (after it waits for
@@ -14,7 +18,7 @@ the compute stream; ``record_stream`` keeps their device memory alive), with an 
 update returns at once, no host sync. The staged tokens join the host layer when the event has
 landed, at the layer's next use at the latest (``update``, ``kv``, a fetch of its mirror, any
 host-side or lifecycle operation, ``nbytes``): ``settle`` reads the event with ``query()`` and only blocks
-(counted in ``Prefetcher.host_waits``) when the copy is still in flight. A fetch after that reads
+(counted in ``offload_stats()["host_waits"]``) when the copy is still in flight. A fetch after that reads
 the whole host copy on the same side stream, so it is ordered after the write-back.
 ``seq_length`` and ``mask_sizes`` count the staged tokens. An error from the host tier (a CUDA
 error of the copy, the host buffer that cannot grow) raises ``CacheError`` naming the layer when
@@ -69,30 +73,55 @@ def write_back(layer, key, value, host_k, host_v) -> None:
         t.record_stream(stream)  # their memory is not reused before the copy has read it
     done = torch.cuda.Event()
     done.record(stream)
-    layer.staged.append((host_k, host_v, done))
+    layer.staged.push(host_k, host_v, done)
 
 
 def staged_tokens(layer) -> int:
-    return sum(k.shape[2] for k, _, _ in layer.staged)
+    return layer.staged.tokens()
 
 
 def settle(layer) -> None:
     """Append the landed write-backs to the host layer (blocking only on one still in flight)."""
-    while layer.staged:
-        host_k, host_v, done = layer.staged[0]
-        try:
-            if not done.query():
-                layer.prefetcher.host_waits += 1
-                done.synchronize()
-        except RuntimeError as e:  # a CUDA error of the copy
-            layer.staged = []
-            raise CacheError(f"offload: the write-back of layer {layer.index}'s new tokens to the host failed "
-                             f"({e}); reset the cache") from e
-        layer.staged.pop(0)
-        try:
-            layer.inner.update(host_k, host_v)
-        except CacheError as e:
-            layer.staged = []
-            raise CacheError(f"offload: layer {layer.index}'s host copy could not take its new tokens ({e}); "
-                             "its device copy has them, the host copy does not: reset the cache") from None
+    layer.staged.settle(layer.inner)
+
+
+class Staged:
+    """One layer's write-backs not yet in its host layer: (keys, values, event), oldest first."""
+
+    def __init__(self, prefetcher, index: int):
+        self.prefetcher = prefetcher  # counts the waits (``count_host_wait``)
+        self.index = index  # the model layer, for errors
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor, object]] = []  # [B, H, T, D] pinned, event
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def push(self, host_k: torch.Tensor, host_v: torch.Tensor, done) -> None:
+        self.pairs.append((host_k, host_v, done))
+
+    def tokens(self) -> int:
+        return sum(k.shape[2] for k, _, _ in self.pairs)
+
+    def clear(self) -> None:
+        self.pairs = []
+
+    def settle(self, inner) -> None:
+        """Append the landed pairs to ``inner`` (the host layer), oldest first."""
+        while self.pairs:
+            host_k, host_v, done = self.pairs[0]
+            try:
+                if not done.query():
+                    self.prefetcher.count_host_wait()
+                    done.synchronize()
+            except RuntimeError as e:  # a CUDA error of the copy
+                self.pairs = []
+                raise CacheError(f"offload: the write-back of layer {self.index}'s new tokens to the host failed "
+                                 f"({e}); reset the cache") from e
+            self.pairs.pop(0)
+            try:
+                inner.update(host_k, host_v)
+            except CacheError as e:
+                self.pairs = []
+                raise CacheError(f"offload: layer {self.index}'s host copy could not take its new tokens ({e}); "
+                                 "its device copy has them, the host copy does not: reset the cache") from None
 
