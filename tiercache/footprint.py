@@ -35,8 +35,9 @@ sliding buffer can be one slack smaller.
   (``ModelSpec.kv_shape``).
 - ``offload`` (``processors/offload.py``): the store lives on the host or disk tier; the shared
   prefetcher keeps ``min(prefetch + 1, offloaded layers)`` device slots, each holding one
-  layer's mirror (``capacity_for(kept + 1)`` tokens or rows, at least the host capacity);
-  with layers of different sizes the plan counts the largest ones (an upper bound).
+  layer's mirror, of ``processors/mirror.py``'s ``steady_capacity`` tokens or rows (the rule the
+  mirror allocates by); with layers of different sizes the plan counts the largest ones (an
+  upper bound).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from tiercache.layers.buffer import CHUNK, capacity_for
 from tiercache.model_spec import ModelSpec
 from tiercache.policy import LayerPolicy, QuantizePolicy
+from tiercache.processors.mirror import steady_capacity
 
 TIERS = ("device", "host", "disk")
 STORE_CHUNK = 1  # rows (blocks) of capacity Quantize's block store adds at a time (quantize.py)
@@ -143,7 +145,7 @@ def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) 
         fp = _fp_bytes(model, i, batch, cap)
         if lp.offload is None:
             return Footprint({"device": fp}, kept)
-        return Footprint({cold: fp}, kept, _fp_bytes(model, i, batch, _mirror_tokens(cap, kept)))
+        return Footprint({cold: fp}, kept, _fp_bytes(model, i, batch, steady_capacity(cap, kept)))
     q = lp.quantize
     sinks = 0 if lp.storage == "sliding" and lp.window else min(tokens, q.sink_tokens)  # exact, on the device
     packed, residual = quantize_split(q, tokens - sinks)
@@ -169,15 +171,8 @@ def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) 
         held["device"] += store
         return Footprint(held, min(kept, kept_rows * q.group_size + residual), 0, work)
     held[cold] = store
-    mirror = block * _mirror_tokens(rows, kept_rows) if blocks else 0
+    mirror = block * steady_capacity(rows, kept_rows) if blocks else 0
     return Footprint(held, min(kept, kept_rows * q.group_size + residual), mirror, work)
-
-
-def _mirror_tokens(host_capacity: int, kept: int) -> int:
-    """Tokens (rows) of an Offload mirror (``processors/offload.py``): it is allocated in whole
-    CHUNKs for the kept tokens plus one, or reuses the host buffer's capacity when that is
-    larger (sliding and static layers); slots never shrink."""
-    return max(capacity_for(kept + 1), host_capacity)
 
 
 def workspace_bytes(footprints: list[Footprint], model: ModelSpec, batch: int) -> int:
