@@ -12,7 +12,7 @@ the cache is what is measured), all fed the same tokens:
     (d) offload+int4  TieredCache, native int4 (group 64, residual 128) + offload: cpu
 Reported: decode tokens/s (and the ratio to (b), else to (a)), peak device memory during
 decode, cache bytes per place at the end, and bytes over the bus per decoded token: measured by
-the Prefetcher's counters for (c) and (d), computed from the layer sizes for (b) (each step
+``TieredCache.offload_stats()`` for (c) and (d), computed from the layer sizes for (b) (each step
 moves every offloaded layer to the device and back). Prints a markdown table and the device;
 ``--json`` writes the rows.
 """
@@ -48,6 +48,12 @@ def build_model(args) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval().to(args.device, getattr(torch, args.dtype))
 
 
+def bus_bytes(cache: TieredCache) -> int:
+    """Bytes the offloaded layers moved over the bus so far, both ways (``offload_stats``)."""
+    stats = cache.offload_stats()
+    return stats["bytes_h2d"] + stats["bytes_d2h"]
+
+
 def fp_cache_bytes(args, tokens: int) -> int:
     """Bytes of a full-precision K/V cache of ``tokens`` tokens for this model."""
     elt = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
@@ -67,8 +73,8 @@ def measure(name: str, model, args, ids: torch.Tensor) -> dict:
     for _ in range(args.warmup):
         model(ids[:, pos : pos + 1], past_key_values=cache, use_cache=True)
         pos += 1
-    counters = getattr(getattr(cache, "_shared", None), "_prefetcher", None)
-    moved0 = (counters.bytes_h2d + counters.bytes_d2h) if counters is not None else 0
+    offloaded = isinstance(cache, TieredCache) and cache.offload_stats()["fetches"] > 0  # (prefill fetched)
+    moved0 = bus_bytes(cache) if offloaded else 0
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     sync(args.device)
@@ -80,8 +86,8 @@ def measure(name: str, model, args, ids: torch.Tensor) -> dict:
     seconds = time.perf_counter() - start
     row = {"cache": name, "tokens_per_s": args.new / seconds}
     row["peak_device_bytes"] = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None
-    if counters is not None:
-        row["bus_bytes_per_token"] = (counters.bytes_h2d + counters.bytes_d2h - moved0) / args.new
+    if offloaded:
+        row["bus_bytes_per_token"] = (bus_bytes(cache) - moved0) / args.new
         row["bus"] = "measured"
     elif name == "hf-offload":
         mid = fp_cache_bytes(args, pos - args.new // 2)  # whole layers, device and back, each step

@@ -4,6 +4,7 @@
     model.generate(**inputs, past_key_values=cache)      # or model(..., past_key_values=cache)
     cache.update(k, v, layer_idx)                         # any model that calls update works
     cache.nbytes()                                        # {"cpu": ..., "cuda:0": ..., "disk": ...}
+    cache.offload_stats()     # offload counters: bytes_h2d, bytes_d2h, fetches, side_fetches, host_waits
 
 It needs no ``cache_position``: each layer counts the tokens it has seen. Every transformers
 cache method is answered by the chains (``tiercache.layers.base`` protocol), and errors from a
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
-from tiercache.chain import build_layers
+from tiercache.chain import Shared, build_layers
 from tiercache.cross_attention import check_supported, cross_layer_policies
 from tiercache.errors import CacheError, PolicyError
 from tiercache.layers.base import KVLayer, check_room
@@ -243,6 +244,10 @@ class TieredCache(Cache):
         workspace (one layer at full precision) and the offload prefetch slots (prefetch + 1
         layers). They do not grow with the number of layers; the rest is the per-layer state."""
         return self._shared.nbytes() if self._shared is not None else {}
+
+    def offload_stats(self) -> dict[str, int]:
+        """The offload counters so far (``tiercache.processors.prefetch``); zeros without offload."""
+        return (self._shared or Shared()).prefetcher.stats()
 
     # -- lifecycle (tiercache.lifecycle) --------------------------------------------------------
     def state_dict(self) -> dict:

@@ -95,5 +95,32 @@ def test_quantized_offload_same_tokens_as_quantized(mode):
     want, _ = generate("llama", q, mode)
     got, cache = generate("llama", {**q, "offload": {"device": "cpu", "prefetch": 1}}, mode)
     assert torch.equal(got, want)
-    assert cache._shared.prefetcher.bytes_d2h > 0
+    assert cache.offload_stats()["bytes_d2h"] > 0
     cache.close()
+
+
+def test_offload_stats_count_the_bus_traffic():
+    """``cache.offload_stats()``: zeros for a resident cache; for an offloaded one, the bytes of
+    every update sent to the host and of every fetch, with outputs equal to the resident ones."""
+    from tiercache.model_spec import ModelSpec
+
+    spec = ModelSpec("stats", 3, ("full_attention",) * 3, kv_heads=2, head_dim=8, dtype="float32")
+    res = tiercache.TieredCache.from_policy(RESIDENT, spec)
+    off = tiercache.TieredCache.from_policy({"name": "host", **POLICIES["cpu"]}, spec)
+    zeros = {"bytes_h2d": 0, "bytes_d2h": 0, "fetches": 0, "side_fetches": 0, "host_waits": 0}
+    assert res.offload_stats() == zeros and off.offload_stats() == zeros
+    g, sent = torch.Generator().manual_seed(0), 0
+    for t in (10, 1):
+        for i in range(3):
+            k, v = torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g)
+            a, b = off.update(k, v, i), res.update(k, v, i)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            sent += 2 * k.numel() * 4
+    per_token = 2 * 2 * 8 * 4  # K and V, 2 heads of 8, float32
+    stats = off.offload_stats()
+    assert stats["bytes_d2h"] == sent
+    # prefetch 1 over 3 layers: layer 0 (10 tokens) while 2 is used, then 1 and 2, then 0 (11)
+    assert stats["bytes_h2d"] == (10 + 10 + 10 + 11) * per_token
+    assert stats["fetches"] == 7 and stats["side_fetches"] == 0 and stats["host_waits"] == 0  # CPU: no stream
+    assert res.offload_stats() == zeros
+    off.close()

@@ -47,8 +47,8 @@ def test_offloaded_quantized_equals_resident_quantized(storage, device, tmp_path
             layer.crop(3) if storage != "sliding" else None
     for _ in range(3):
         step(1)
-    pf = shared.prefetcher
-    assert pf.bytes_d2h > 0 and pf.bytes_h2d > 0
+    stats = shared.prefetcher.stats()
+    assert stats["bytes_d2h"] > 0 and stats["bytes_h2d"] > 0
     assert all(set(layer.store.nbytes()) == {device} for layer in off)
 
 
@@ -62,4 +62,4 @@ def test_bus_carries_packed_bytes():
             layer.update(torch.randn(1, 2, t, 32, generator=g), torch.randn(1, 2, t, 32, generator=g))
     packed_tokens = 128  # 4 blocks of 32 left the residual
     fp_bytes = 3 * 2 * packed_tokens * 32 * 2 * 4  # layers * heads * tokens * dim * (K, V) * float32
-    assert 0 < shared.prefetcher.bytes_d2h < fp_bytes / 3
+    assert 0 < shared.prefetcher.stats()["bytes_d2h"] < fp_bytes / 3
