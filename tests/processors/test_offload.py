@@ -195,3 +195,38 @@ def test_row_stride():
 def test_negative_depth_rejected():
     with pytest.raises(CacheError, match="prefetch depth"):
         Offload(make_storage(), Prefetcher(), 0, depth=-1)
+
+
+ADOPT = [("full", "cpu", "full", "disk"), ("full", "disk", "static", "cpu"), ("sliding", "cpu", "sliding", "disk"),
+         ("static", "cpu", "full", "cpu")]
+
+
+@pytest.mark.parametrize("src,src_device,dst,dst_device", ADOPT, ids=["-".join(a) for a in ADOPT])
+def test_adopt_moves_the_host_copy_host_to_host(src, src_device, dst, dst_device, tmp_path, monkeypatch):
+    """An offloaded layer takes another's host copy (retier between offload policies) without
+    ``export`` (which brings it to the compute device): then it holds what a plain layer of its
+    storage holds after ``ingest(*export())`` of the reference, and continues exactly like it."""
+    old, ref, _ = build(src, src_device, 1, tmp_path, layers=2)
+    pair, gen = Pair(old, ref, src), torch.Generator().manual_seed(6)
+    for t in (9, 1, 1):
+        pair.step(t, torch.float32, 2, gen)
+    new, want, pf = build(dst, dst_device, 2, tmp_path, layers=2)
+    assert all(n.can_adopt(o) for n, o in zip(new, old)) and not new[0].can_adopt(ref[0])
+
+    def through_the_device(self):
+        raise AssertionError("adopt must not export through the compute device")
+
+    monkeypatch.setattr(Offload, "export", through_the_device)
+    for n, o, w, r in zip(new, old, want, ref):
+        n.adopt(o)
+        w.ingest(*r.export())
+    monkeypatch.undo()
+    moved = Pair(new, want, dst)
+    moved.check()
+    assert pf.stats()["bytes_d2h"] == 0  # nothing was written back to a host: it was copied there
+    for t in (1, 2, 1):
+        moved.step(t, torch.float32, 2, gen)
+        pair.step(t, torch.float32, 2, gen)  # the source is untouched and goes on by itself
+    empty, _, _ = build("full", "cpu", 1, tmp_path, layers=1)
+    new[0].adopt(empty[0])  # an empty source: the layer is emptied
+    assert new[0].kv() is None and new[0].seq_length() == 0

@@ -27,8 +27,13 @@ copy to the compute device, so reading them never evicts the slot another layer 
 Errors: the host write happens before the mirror changes, so an update the inner layer
 rejects (``CacheError``: wrong shape, static storage full, disk full) leaves the layer as it
 was; device memory for the mirror is found before that, so running out of it (``CacheError``
-from the prefetcher) changes nothing either. Crop / reorder / select / repeat_interleave / set_recording / reset act on the host copy
-and drop the mirror (the next use fetches it again).
+from the prefetcher) changes nothing either. Crop / reorder / select / repeat_interleave /
+set_recording / reset act on the host copy and drop the mirror (the next use fetches it again).
+
+Lifecycle: the host copy is the state (``state_dict``, ``export``, ``ingest``). ``adopt(other)``
+takes another ``Offload``'s host copy host to host (retier between offload policies: another
+tier, storage or prefetch depth), where ``ingest(*other.export())`` would bring it to the
+compute device and back.
 
 ``nbytes()`` reports the host tier only (``"cpu"`` or ``"disk"``). The mirrors belong to the
 prefetcher, which reports them once for the whole cache (``Prefetcher.nbytes()``, added by
@@ -242,6 +247,26 @@ class Offload(KVLayer):
         host_k, host_v = writeback.to_host(key, value) if key.shape[2] else (key.cpu(), value.cpu())
         self.inner.ingest(host_k, host_v, seen)
         self.device = key.device
+
+    def can_adopt(self, other: KVLayer) -> bool:
+        return isinstance(other, Offload)
+
+    def adopt(self, other: "Offload") -> None:
+        """Take another offloaded layer's host copy host to host (``retier`` between offload
+        policies: another tier, storage or prefetch depth), never through the compute device as
+        ``ingest(*other.export())`` would go; the wrapped layer ingests it (its checks apply)."""
+        held = other.host_export()
+        self._release_mirror()
+        if held is None:
+            self.reset()
+            return
+        self.inner.ingest(*held)
+        self.device = other.device
+
+    def host_export(self):
+        """The host copy as the wrapped layer exports it (host tensors, ``seen``), staged write-backs joined."""
+        self._settle()
+        return self.inner.export()
 
     def evict(self) -> None:
         self._release_mirror()  # the prefetcher drops the mirror: no view of the slot is left
