@@ -119,7 +119,7 @@ class TieredCache(Cache):
         try:
             return layer.update(key_states, value_states)
         except CacheError as e:
-            raise CacheError(f"layer {layer_idx}: {e}") from None
+            raise CacheError(f"layer {layer_idx}: {e}") from e
 
     # -- what transformers asks ------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -315,7 +315,7 @@ class TieredCache(Cache):
             try:
                 getattr(self.layers[i], method)(*args)
             except CacheError as e:
-                raise CacheError(f"layer {i}: {e}") from None
+                raise CacheError(f"layer {i}: {e}") from e
 
 
 class CrossAttentionCache(TieredCache):

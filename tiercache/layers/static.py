@@ -196,7 +196,7 @@ class StaticLayer(KVLayer):
                     f"static storage: cannot allocate max_length={self.limit} tokens ({size} bytes for batch "
                     f"{s.batch}, {s.heads} kv heads) on {s.device}: {str(e).splitlines()[0]}; lower max_length "
                     "or use storage: full"
-                ) from None
+                ) from e
             raise
         # assigned only once both allocations succeeded: a failure leaves the layer as it was
         self.k, self.v = keys.zero_(), values.zero_()

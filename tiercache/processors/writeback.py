@@ -94,5 +94,5 @@ def settle(layer) -> None:
         except CacheError as e:
             layer.staged = []
             raise CacheError(f"offload: layer {layer.index}'s host copy could not take its new tokens ({e}); "
-                             "its device copy has them, the host copy does not: reset the cache") from None
+                             "its device copy has them, the host copy does not: reset the cache") from e
 
