@@ -90,7 +90,7 @@ def settle(layer) -> None:
                              f"({e}); reset the cache") from e
         layer.staged.pop(0)
         try:
-            layer.inner.update(host_k, host_v)
+            layer.inner.append(host_k, host_v)
         except CacheError as e:
             layer.staged = []
             raise CacheError(f"offload: layer {layer.index}'s host copy could not take its new tokens ({e}); "
