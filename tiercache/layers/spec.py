@@ -36,7 +36,7 @@ class KVSpec:
     key_dim: int
     value_dim: int
     dtype: torch.dtype
-    device: torch.device
+    device: torch.device | None  # None only in a layout(): an offloaded layer not bound to a device yet
 
     @classmethod
     def of(cls, key: torch.Tensor, value: torch.Tensor) -> "KVSpec":
