@@ -30,7 +30,7 @@ it derived from a checked input, with no check of its own at each level.
 Not checked here, because they are not facts about the input's shape: non-finite values
 (``Quantize``'s FiniteGuard; on CUDA it is read without a host sync, so it belongs to the
 layer's step), a disk tier out of space, device memory for an offload mirror. Each is still a
-``CacheError`` raised before the layer changes (see those modules).
+``CacheError`` from the layer (see those modules for when it surfaces and what it leaves).
 """
 
 from __future__ import annotations
