@@ -8,7 +8,8 @@
 
 It needs no ``cache_position``: each layer counts the tokens it has seen. Every transformers
 cache method is answered by the chains (``tiercache.layers.base`` protocol), and errors from a
-layer are re-raised as ``CacheError`` naming the layer index; ``layers[i].keys`` / ``.values``
+layer are re-raised as ``CacheError`` naming the layer index. An update is checked once, here
+(``tiercache.layers.validate``), then appended to the chain, which trusts it; ``layers[i].keys`` / ``.values``
 are what a layer holds (``KVLayer.keys``). ``crop`` follows transformers 5.x (see ``crop``); a
 crop a sliding layer cannot give exactly changes no layer. KV-sharing layers that reuse another
 layer's K/V are transformers' placeholders (``tiercache.placeholders``).
@@ -30,7 +31,8 @@ from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from tiercache.chain import Shared, build_layers
 from tiercache.cross_attention import check_supported, cross_layer_policies
 from tiercache.errors import CacheError, PolicyError
-from tiercache.layers.base import KVLayer, check_room
+from tiercache.layers.base import KVLayer
+from tiercache.layers.validate import check_layer_index, check_room, check_update
 from tiercache.model_spec import ModelSpec, model_type_of, spec_of
 from tiercache.placeholders import Placeholders
 from tiercache.policy import Policy, load_policy
@@ -110,17 +112,12 @@ class TieredCache(Cache):
 
     # -- the write path --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        layer = self._layer(layer_idx)
+        self._layer(layer_idx)
         self._reuse.check_update(layer_idx)
-        for name, t in (("key_states", key_states), ("value_states", value_states)):
-            if isinstance(t, torch.Tensor) and not t.is_floating_point():
-                raise CacheError(f"layer {layer_idx}: {name} must be floating point, got {t.dtype}")
-        if layer_idx == self._reuse.first and isinstance(key_states, torch.Tensor) and key_states.dim() == 4:
+        self._on(layer_idx, lambda layer: check_update(layer, key_states, value_states, model=True))
+        if layer_idx == self._reuse.first:
             check_room({i: self.layers[i] for i in self._reuse.stores(len(self.layers))}, key_states.shape[2])
-        try:
-            return layer.update(key_states, value_states)
-        except CacheError as e:
-            raise CacheError(f"layer {layer_idx}: {e}") from None
+        return self._on(layer_idx, lambda layer: layer.append(key_states, value_states))
 
     # -- what transformers asks ------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -195,33 +192,33 @@ class TieredCache(Cache):
         # All or nothing: every layer validates first; sliding layers (the only ones that may refuse)
         # crop first; placeholders (KV sharing: reuse) ignore crop, as transformers' do.
         order = sorted(self._reuse.stores(len(self.layers)), key=lambda i: not self.layers[i].is_sliding)
-        self._each("validate_crop", -x, order=order)
-        self._each("crop", -x, order=order)
+        self._each(lambda layer: layer.validate_crop(-x), order)
+        self._each(lambda layer: layer.crop(-x), order)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._each("reorder", beam_idx)
+        self._each(lambda layer: layer.reorder(beam_idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._each("select", indices)
+        self._each(lambda layer: layer.select(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._each("repeat_interleave", repeats)
+        self._each(lambda layer: layer.repeat_interleave(repeats))
 
     def reset(self) -> None:
         """Empty every layer and free the shared buffers (workspace, prefetch slots): ``nbytes()`` is {} after."""
-        self._each("reset")
+        self._each(lambda layer: layer.reset())
         if self._shared is not None:
             self._shared.close()  # re-created on demand
 
     def activate_past_recording(self) -> None:
-        self._each("set_recording", True, order=self._reuse.stores(len(self.layers)))
+        self._each(lambda layer: layer.set_recording(True), self._reuse.stores(len(self.layers)))
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return self._layer(layer_idx).record_past and layer_idx not in self._reuse
 
     def close(self) -> None:
         """Release every buffer and file now (also done when the cache is garbage-collected)."""
-        self._each("close")
+        self._each(lambda layer: layer.close())
         if self._shared is not None:
             self._shared.close()
 
@@ -299,14 +296,7 @@ class TieredCache(Cache):
 
     # -- internals -------------------------------------------------------------------------------
     def _layer(self, layer_idx: int) -> KVLayer:
-        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
-            raise CacheError(f"layer_idx must be an int in 0..{len(self.layers) - 1}, got {layer_idx!r} "
-                             f"({type(layer_idx).__name__})")
-        if not 0 <= layer_idx < len(self.layers):
-            raise CacheError(
-                f"layer_idx {layer_idx!r} is out of range: this cache was built for {len(self.layers)} layers "
-                f"({self.model.name})"
-            )
+        check_layer_index(layer_idx, len(self.layers), self.model.name)
         return self.layers[layer_idx]
 
     def _attention_layer(self, layer_idx: int, what: str) -> KVLayer:
@@ -314,13 +304,17 @@ class TieredCache(Cache):
         self._layer(layer_idx)
         return self.layers[self._reuse.answering(layer_idx, len(self.layers), what)]
 
-    def _each(self, method: str, *args, order=None) -> None:
-        """Apply an operation to every layer; a layer's CacheError names its index."""
+    def _on(self, i: int, op):
+        """``op(layers[i])``; its CacheError names the layer index."""
+        try:
+            return op(self.layers[i])
+        except CacheError as e:
+            raise CacheError(f"layer {i}: {e}") from e
+
+    def _each(self, op, order=None) -> None:
+        """``op(layer)`` on every layer (or those of ``order``, in that order), one after the other."""
         for i in range(len(self.layers)) if order is None else order:
-            try:
-                getattr(self.layers[i], method)(*args)
-            except CacheError as e:
-                raise CacheError(f"layer {i}: {e}") from None
+            self._on(i, op)
 
 
 class CrossAttentionCache(TieredCache):

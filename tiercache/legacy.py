@@ -59,7 +59,7 @@ def build(cls, past, policy: Policy, model: ModelSpec, seq_length: int | None = 
         try:  # cross-attention: full storage, all layers hold the encoder's tokens
             sizes.append(check_past(halves[1], model, Policy()))
         except CacheError as e:
-            raise CacheError(f"cross-attention half: {e}") from None
+            raise CacheError(f"cross-attention half: {e}") from e
         cache = cls.for_encoder_decoder(policy, model)
         parts = list(zip((cache.self_attention_cache, cache.cross_attention_cache), halves, sizes))
     else:
@@ -139,7 +139,7 @@ def _load(cache, i: int, key: torch.Tensor, value: torch.Tensor, seen: int) -> N
     try:
         cache.layers[i].ingest(key, value, seen)
     except CacheError as e:
-        raise CacheError(f"layer {i}: {e}") from None
+        raise CacheError(f"layer {i}: {e}") from e
 
 
 def export(layers) -> tuple:

@@ -135,7 +135,7 @@ class ModelSpec:
         try:
             sharing = getattr(config, "kv_sharing_modes", None)
         except ValueError as e:  # transformers validates the sharing layout when asked
-            raise PolicyError(f"model config {type(config).__name__}: {e}") from None
+            raise PolicyError(f"model config {type(config).__name__}: {e}") from e
         sharing = tuple(sharing) if sharing is not None and any(m is not None for m in sharing) else None
         dtype = getattr(config, "dtype", None) or "float32"
         dtype = str(dtype).replace("torch.", "")

@@ -230,7 +230,7 @@ def resolve_model(model: str) -> ModelSpec:
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            raise PolicyError(f"model config {str(path)!r} is not readable JSON: {e}") from None
+            raise PolicyError(f"model config {str(path)!r} is not readable JSON: {e}") from e
         if not isinstance(data, dict):
             raise PolicyError(f"model config {str(path)!r} must be a JSON object, got {type(data).__name__}")
         return ModelSpec.from_config(_JsonConfig(data, str(path.parent)))
@@ -243,7 +243,7 @@ def resolve_model(model: str) -> ModelSpec:
         raise PolicyError(
             f"--model {model!r}: not a preset, a local config, or a reachable hub id ({type(e).__name__}: {e}); "
             f"presets: {names}"
-        ) from None
+        ) from e
 
 
 class _JsonConfig:

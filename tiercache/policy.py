@@ -221,11 +221,11 @@ def load_policy(source: "str | Path | dict | Policy") -> Policy:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise PolicyError(f"policy file {str(path)!r} cannot be read as UTF-8 text: {e}") from None
+        raise PolicyError(f"policy file {str(path)!r} cannot be read as UTF-8 text: {e}") from e
     try:
         data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
-        raise PolicyError(f"policy file {str(path)!r} is not valid YAML: {e}") from None
+        raise PolicyError(f"policy file {str(path)!r} is not valid YAML: {e}") from e
     return Policy.from_dict(data if data is not None else {})
 
 

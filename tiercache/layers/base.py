@@ -3,10 +3,16 @@
 Tensors are ``[B, H, T, D]`` (batch, kv heads, tokens, head dim); keys and values may differ in D.
 
 Required
-    update(key, value) -> (keys, values)
+    append(key, value) -> (keys, values)
         Append ``T`` new tokens; return what attention must see, ``[B, H, S, D]``, already in
         order. The returned tensors may be views of internal buffers: they are valid until the
-        next call on the same cache.
+        next call on the same cache. It trusts its input: the pair was checked once, by
+        ``tiercache.layers.validate.check_update`` (a processor appends to the layer it wraps
+        what it derived from such a pair). ``update(key, value)`` (here, not overridden) is that
+        check then ``append``: what a layer used on its own is called with.
+    layout() -> KVSpec | None
+        What the next update must match (``tiercache.layers.spec.KVSpec``: batch, heads, head
+        dims, dtype, compute device), None before the first update; cheap, no side effect.
     seq_length() -> int
         Tokens seen so far (positions), including any a sliding layer has since dropped.
     mask_sizes(query_length) -> (kv_length, kv_offset)
@@ -16,10 +22,6 @@ Required
         Remove the last ``n >= 0`` tokens; all of them when ``n > seq_length()`` (as transformers'
         ``DynamicLayer``: cropping past the start empties the layer). ``crop(0)`` lets a sliding
         layer trim what it kept for a rollback back to its working size.
-    validate_update(key, value)
-        Raise ``CacheError`` if ``update(key, value)`` would be refused (shape, dtype, batch,
-        static room), changing nothing; the default checks only the pair itself. Processors
-        call it on the layer they wrap before changing state of their own.
     validate_crop(n)
         Raise ``CacheError`` if ``crop(n)`` would be refused, changing nothing (the default
         checks ``n`` is an int ``>= 0``; a sliding layer also checks it still holds the tokens it
@@ -78,9 +80,8 @@ Optional hooks (no-op defaults here)
 Class attributes: ``is_sliding``, ``is_compileable``, ``max_length()`` (-1 when unbounded);
 ``is_initialized`` (property: updated since built or reset).
 
-Checks shared by layers and the cache: ``check_crop``, ``check_room`` (a forward's first write
-refuses tokens a static layer has no room for, before any layer takes them), ``check_batch_indices``,
-``check_repeats``.
+Checks shared by layers and the cache: ``check_crop``, ``check_batch_indices``, ``check_repeats``
+(an update's: ``tiercache.layers.validate``).
 
 ``record_past`` is transformers' layer attribute for that mode: reading it says whether the layer
 records (``recording``, False unless a layer defines it), and assigning it calls
@@ -95,6 +96,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.layers.spec import KVSpec
+from tiercache.layers.validate import check_update
 
 
 class KVLayer(ABC):
@@ -102,8 +105,16 @@ class KVLayer(ABC):
     is_compileable: bool = False
     policy = None  # the LayerPolicy it was built from (set by the chain builder on a chain's outer layer)
 
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Checked once here (``CacheError``, the layer unchanged), then appended (``append``)."""
+        check_update(self, key, value)
+        return self.append(key, value)
+
     @abstractmethod
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def layout(self) -> KVSpec | None: ...
 
     @abstractmethod
     def seq_length(self) -> int: ...
@@ -176,11 +187,6 @@ class KVLayer(ABC):
     def max_length(self) -> int:
         return -1
 
-    def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        from tiercache.layers.spec import check_pair
-
-        check_pair(key, value)
-
     def validate_crop(self, n: int) -> None:
         check_crop(n, self.seq_length())
 
@@ -226,18 +232,6 @@ def check_crop(n: int, seq_length: int) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise CacheError(f"crop(n) needs an int n >= 0 (tokens to remove), got {n!r}")
     return min(n, seq_length)
-
-
-def check_room(layers: dict, t: int) -> None:
-    """Refuse ``t`` new tokens before any layer takes them if a bounded layer (static, not sliding)
-    has no room: ``layers`` maps index -> layer. A forward writes its layers one by one, so
-    without this a sliding layer before a full static one would count tokens the static one then
-    refuses, and the layers would disagree on the tokens seen."""
-    for i, layer in layers.items():
-        limit = layer.max_length()
-        if not layer.is_sliding and limit > 0 and layer.seq_length() + t > limit:
-            raise CacheError(f"layer {i}: static storage is full: it holds {layer.seq_length()} of max_length={limit} "
-                             f"tokens and cannot take {t} more; raise max_length in the policy or use storage: full")
 
 
 def check_batch_indices(indices: torch.Tensor, batch: int, what: str) -> torch.Tensor:

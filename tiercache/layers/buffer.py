@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.layers.spec import KVSpec, check_pair
+from tiercache.layers.spec import KVSpec
 from tiercache.layers.state import empty_pair, field, held_pair, spec_from, spec_state
 
 CHUNK = 256  # tokens of capacity added at a time
@@ -106,19 +106,12 @@ class Buffer:
         self.spec = spec
         self.append(key, value, slack)
 
-    def check(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """``CacheError`` unless ``key, value`` can be appended: a valid pair, matching what is held."""
-        if self.spec is not None:
-            self.spec.check(key, value)
-        else:
-            check_pair(key, value)
-
     # -- writing ------------------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor, slack: int = 0) -> None:
         """Write ``T`` tokens after the held ones; ``slack`` extra tokens of room when regrowing."""
         first = self.spec is None
         if first:
-            self.spec = KVSpec.of(key, value)
+            self.spec = KVSpec.read(key, value)  # (checked by the caller: tiercache.layers.validate)
         t = key.shape[2]
         if self.keys is None or self.end + t > self.capacity:  # (a first update may have no tokens)
             try:

@@ -14,13 +14,12 @@ class FullLayer(KVLayer):
     def __init__(self, tier=None, chunk: int = CHUNK):
         self.buffer = Buffer(tier or ComputeTier(), chunk)  # chunk: capacity added at a time (tokens)
 
-    def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.buffer.check(key, value)
-
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.validate_update(key, value)
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.buffer.append(key, value)
         return self.buffer.view()  # [B, H, S, D] views
+
+    def layout(self):
+        return self.buffer.spec
 
     def seq_length(self) -> int:
         return len(self.buffer)

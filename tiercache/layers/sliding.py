@@ -37,12 +37,8 @@ class SlidingLayer(KVLayer):
         self.recording = False
         self.slack = min(chunk, window)  # tokens appended between two slides of the window
 
-    def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.buffer.check(key, value)
-
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         buf = self.buffer
-        self.validate_update(key, value)
         t, keep = key.shape[2], self.window - 1
         visible = keep + t
         if not self.recording and len(buf) + t > buf.capacity and t > buf.chunk:
@@ -55,7 +51,7 @@ class SlidingLayer(KVLayer):
             if keep:
                 buf.append(key[:, :, -keep:], value[:, :, -keep:], slack=self.slack)
             elif buf.spec is None:
-                buf.spec = KVSpec.of(key, value)
+                buf.spec = KVSpec.read(key, value)
             self.seen += t
             return out
         buf.append(key, value, slack=self.slack)
@@ -65,6 +61,9 @@ class SlidingLayer(KVLayer):
         if not self.recording and n > keep:
             buf.drop_front(n - keep)
         return out
+
+    def layout(self):
+        return self.buffer.spec
 
     def seq_length(self) -> int:
         return self.seen

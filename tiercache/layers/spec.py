@@ -1,8 +1,8 @@
-"""What a layer learns from its first update, and the check every later update must pass.
+"""What a layer learns from its first update: ``KVSpec`` (batch, heads, head dims, dtype, device).
 
-``KVSpec.of(key, value)`` records batch, heads, head dims, dtype and device; ``spec.check(key,
-value)`` raises ``CacheError`` naming what was expected when an update does not match, before
-anything is written (so a rejected update leaves the layer unchanged).
+``KVSpec.of(key, value)`` checks the pair on its own (``check_pair``) and reads its spec;
+``KVSpec.read(key, value)`` reads the spec of a pair already checked. Whether an update matches
+what a layer holds is checked once, by ``tiercache.layers.validate.check_update``.
 """
 
 from __future__ import annotations
@@ -36,16 +36,16 @@ class KVSpec:
     key_dim: int
     value_dim: int
     dtype: torch.dtype
-    device: torch.device
+    device: torch.device | None  # None only in a layout(): an offloaded layer not bound to a device yet
 
     @classmethod
     def of(cls, key: torch.Tensor, value: torch.Tensor) -> "KVSpec":
         check_pair(key, value)
-        return cls._read(key, value)
+        return cls.read(key, value)
 
     @classmethod
-    def _read(cls, key: torch.Tensor, value: torch.Tensor) -> "KVSpec":
-        """The spec of a pair already checked by ``check_pair``."""
+    def read(cls, key: torch.Tensor, value: torch.Tensor) -> "KVSpec":
+        """The spec of a pair already checked by ``check_pair`` (an update checked by the cache)."""
         return cls(key.shape[0], key.shape[1], key.shape[3], value.shape[3], key.dtype, key.device)
 
     def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,17 +55,3 @@ class KVSpec:
 
     def with_batch(self, batch: int) -> "KVSpec":
         return replace(self, batch=batch)
-
-    def check(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        check_pair(key, value)
-        got = KVSpec._read(key, value)
-        for field, what in (
-            ("batch", "batch size (use select / repeat_interleave / reorder to change it)"),
-            ("heads", "kv head count"),
-            ("key_dim", "key head dim"),
-            ("value_dim", "value head dim"),
-            ("dtype", "dtype"),
-            ("device", "device"),
-        ):
-            if getattr(got, field) != getattr(self, field):
-                raise CacheError(f"{what}: the layer holds {getattr(self, field)}, the update has {getattr(got, field)}")

@@ -39,29 +39,13 @@ class StaticLayer(KVLayer):
     def is_compileable(self) -> bool:
         return self.padded
 
-    def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        self._checked(key, value)
+    def layout(self):
+        return self.spec
 
-    def _checked(self, key: torch.Tensor, value: torch.Tensor) -> KVSpec:
-        """The spec the update is written with; ``CacheError`` (nothing changed) when it is refused."""
-        spec = self.spec
-        if spec is None:
-            spec = KVSpec.of(key, value)
-        else:
-            spec.check(key, value)
-        t = key.shape[2]
-        if self.length + t > self.limit:
-            raise CacheError(
-                f"static storage is full: it holds {self.length} of max_length={self.limit} tokens and "
-                f"cannot take {t} more; raise max_length in the policy or use storage: full"
-            )
-        return spec
-
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        spec = self._checked(key, value)
-        t = key.shape[2]
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = key.shape[2]  # room checked by check_update (max_length() / seq_length())
         if self.spec is None:
-            self._allocate(spec)
+            self._allocate(KVSpec.read(key, value))
         index = self.position + torch.arange(t, device=self.position.device)  # [T]
         self.k.index_copy_(2, index, key)
         self.v.index_copy_(2, index, value)
@@ -196,7 +180,7 @@ class StaticLayer(KVLayer):
                     f"static storage: cannot allocate max_length={self.limit} tokens ({size} bytes for batch "
                     f"{s.batch}, {s.heads} kv heads) on {s.device}: {str(e).splitlines()[0]}; lower max_length "
                     "or use storage: full"
-                ) from None
+                ) from e
             raise
         # assigned only once both allocations succeeded: a failure leaves the layer as it was
         self.k, self.v = keys.zero_(), values.zero_()

@@ -49,9 +49,12 @@ class CrossAttention(KVLayer):
         return None if held is None else held[1]
 
     # -- the protocol, delegated ------------------------------------------------------------
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._read = None
-        return self.inner.update(key, value)
+        return self.inner.append(key, value)
+
+    def layout(self):
+        return self.inner.layout()
 
     def seq_length(self) -> int:
         return self.inner.seq_length()
@@ -61,9 +64,6 @@ class CrossAttention(KVLayer):
 
     def max_length(self) -> int:
         return self.inner.max_length()
-
-    def validate_update(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.inner.validate_update(key, value)
 
     def validate_crop(self, n: int) -> None:
         self.inner.validate_crop(n)

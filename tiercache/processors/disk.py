@@ -69,7 +69,7 @@ class DiskTier:
                 f"disk tier: cannot store {nbytes} bytes of KV cache under {self.root!r}: {reason}; "
                 "free space there or set offload.path to a writable directory with room "
                 "(the layer is unchanged)"
-            ) from None
+            ) from e
         # The file goes with the tensor even if a caller drops it without free() (a half-done regrow).
         unlink = weakref.finalize(tensor, _unlink, name)
         unlink.atexit = False  # the directory's finalizer covers exit

@@ -24,11 +24,11 @@ values may differ in head dim.
 ``peek()`` (and ``keys`` / ``values``) bypass the mirror and the prefetcher: they copy the host
 copy to the compute device, so reading them never evicts the slot another layer is using.
 
-Errors: the host write happens before the mirror changes, so an update the inner layer
-rejects (``CacheError``: wrong shape, static storage full, disk full) leaves the layer as it
-was; device memory for the mirror is found before that, so running out of it (``CacheError``
-from the prefetcher) changes nothing either. Crop / reorder / select / repeat_interleave /
-set_recording / reset act on the host copy and drop the mirror (the next use fetches it again).
+Errors: an update's shape, dtype, device and room are checked once before it reaches the layer
+(``tiercache.layers.validate``); the host write happens before the mirror changes, so one the
+inner layer still rejects (``CacheError``: disk full) leaves the layer as it was; device memory for the mirror is found before that, so running out of it (``CacheError``
+from the prefetcher) changes nothing either. Crop / reorder / select / repeat_interleave / set_recording / reset act on the host copy
+and drop the mirror (the next use fetches it again).
 
 Lifecycle: the host copy is the state (``state_dict``, ``export``, ``ingest``). ``adopt(other)``
 takes another ``Offload``'s host copy host to host (retier between offload policies: another
@@ -52,11 +52,13 @@ first; ``seq_length`` and ``mask_sizes`` count the staged tokens. Elsewhere it i
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer
-from tiercache.layers.spec import check_pair
+from tiercache.layers.spec import KVSpec, check_pair
 from tiercache.layers.state import expect, nest, part
 from tiercache.policy import OffloadPolicy
 from tiercache.processors import writeback
@@ -100,15 +102,11 @@ class Offload(KVLayer):
         self.key = prefetcher.register(self, index)
 
     # -- the protocol -----------------------------------------------------------------------
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        check_pair(key, value)
-        if self.device is not None and key.device != self.device:
-            raise CacheError(f"device: the layer computes on {self.device}, the update is on {key.device}")
-        t = key.shape[2]
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = key.shape[2]  # shape, dtype, batch, device, room: checked once (layers/validate.py)
         self._settle()  # earlier write-backs join the host layer first (they may regrow it)
         defer = writeback.defers(self, key)
         host_k, host_v = writeback.staging(key, value) if defer else writeback.to_host(key, value)  # [B, H, T, D] on the CPU
-        self.inner.validate_update(host_k, host_v)  # shape, dtype, batch, room: before the mirror changes
         self.device = key.device
         mirror = self.prefetcher.acquire(self, room=t)  # may raise CacheError (device memory): nothing changed
         self.prefetcher.reserve(mirror, key, value)  # likewise, before the host copy changes
@@ -116,7 +114,7 @@ class Offload(KVLayer):
             writeback.write_back(self, key, value, host_k, host_v)
             shown = mirror.held + t
         else:
-            out = self.inner.update(host_k, host_v)  # may still raise (disk full): the mirror holds the same tokens
+            out = self.inner.append(host_k, host_v)  # may still raise (disk full): the mirror holds the same tokens
             shown = out[0].shape[2]
         self.prefetcher.count_d2h(nbytes_of(key) + nbytes_of(value))
         mirror.append(key, value)
@@ -127,6 +125,13 @@ class Offload(KVLayer):
         if self.owned_outputs:
             return result[0].clone(), result[1].clone()
         return result
+
+    def layout(self):
+        """The host layer's layout on the compute device (a staged first write-back counts)."""
+        spec = self.inner.layout()
+        if spec is None and self.staged:
+            spec = KVSpec.read(*self.staged.pairs[0][:2])
+        return None if spec is None else dataclasses.replace(spec, device=self.device)
 
     def seq_length(self) -> int:
         return self.inner.seq_length() + writeback.staged_tokens(self)

@@ -124,15 +124,9 @@ class Quantize(KVLayer):
 
     # -- the protocol ---------------------------------------------------------------------------
     @torch.no_grad()
-    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        spec = KVSpec.of(key, value) if self.spec is None else self.spec
-        spec.check(key, value)
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = self.spec or KVSpec.read(key, value)  # layout and static room: checked once (layers/validate.py)
         t = key.shape[2]
-        if self.limit is not None and self.seen + t > self.limit:
-            raise CacheError(
-                f"static storage is full: it holds {self.seen} of max_length={self.limit} tokens and "
-                f"cannot take {t} more; raise max_length in the policy or use storage: full"
-            )
         self.finite.check(key, value, self.seen, lambda: describe(key, value, self.seen, self.g))  # no host sync on CUDA
         sink = min(self.n_sinks - len(self.sinks), t)  # the first tokens seen stay exact
         full = key, value
@@ -146,7 +140,7 @@ class Quantize(KVLayer):
             if flush > held:  # the block runs into the new tokens (bounded by this update)
                 old_k = torch.cat([old_k, key.narrow(2, 0, flush - held)], dim=2)
                 old_v = torch.cat([old_v, value.narrow(2, 0, flush - held)], dim=2)
-            blocks = self.store.update(codecs[0].encode(old_k), codecs[1].encode(old_v))
+            blocks = self.store.append(codecs[0].encode(old_k), codecs[1].encode(old_v))
             self.stored = True
         else:
             blocks = self._held_blocks()
@@ -166,6 +160,9 @@ class Quantize(KVLayer):
         if self.window is not None and self.recording:
             self.recorded += t + sink
         return out
+
+    def layout(self):
+        return self.spec
 
     def seq_length(self) -> int:
         return self.seen
@@ -189,18 +186,19 @@ class Quantize(KVLayer):
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         if self.spec is not None:
-            self._gather("reorder", check_batch_indices(beam_idx, self.spec.batch, "reorder"))
+            index = check_batch_indices(beam_idx, self.spec.batch, "reorder")
+            self._gather(index, lambda store: store.reorder(index))
 
     def select(self, indices: torch.Tensor) -> None:
         if self.spec is not None:
-            self._gather("select", check_batch_indices(indices, self.spec.batch, "select"))
+            index = check_batch_indices(indices, self.spec.batch, "select")
+            self._gather(index, lambda store: store.select(index))
 
     def repeat_interleave(self, repeats: int) -> None:
         check_repeats(repeats)
         if self.spec is not None:
-            if self.stored:
-                self.store.repeat_interleave(repeats)
-            self._gather(None, torch.arange(self.spec.batch).repeat_interleave(repeats))
+            self._gather(torch.arange(self.spec.batch).repeat_interleave(repeats),
+                         lambda store: store.repeat_interleave(repeats))
 
     def reset(self) -> None:
         self.store.reset()
@@ -350,9 +348,11 @@ class Quantize(KVLayer):
                 lo = max(lo - count, 0)
         return outs[0], outs[1]
 
-    def _gather(self, op: str | None, index: torch.Tensor) -> None:
-        if op is not None and self.stored:
-            getattr(self.store, op)(index)  # validates before the residual changes
+    def _gather(self, index: torch.Tensor, on_store) -> None:
+        """Batch rows ``index`` of the residual and sinks, after ``on_store(self.store)`` (the same
+        batch operation on the packed blocks, which validates before the residual changes)."""
+        if self.stored:
+            on_store(self.store)
         self.residual.gather(index.to(self.spec.device))
         self.sinks.gather(index.to(self.spec.device))
         self.spec = self.spec.with_batch(index.numel())

@@ -44,6 +44,8 @@ def _crop_blocks(q, n: int):
     try:
         q.store.validate_crop(drop)
     except CacheError:  # the store speaks in blocks; say it in tokens
+        # from None: the store's refusal counts blocks of a store the caller never sees; chaining
+        # it would show a second, contradictory-looking message in block units
         raise CacheError(
             f"cannot crop {n} tokens from a quantized sliding layer (window {q.window}): the blocks "
             "before the window are gone; call activate_past_recording() before "

@@ -17,7 +17,12 @@
                              packed rows move store to store (``store.export()`` ->
                              ``store.ingest()``), never re-quantized
 
-Sliding layers: the store keeps the blocks that cover the window. When ``k`` starts later than
+Sliding layers: the store keeps the blocks that cover the window, and, while recording
+(``set_recording(True)`` before the ingest, as ``retier`` does), every block packed since recording
+began: the ingested layer holds what a recording layer fed the same tokens holds (its store's
+blocks, residual and ``recorded`` count), so a later crop rolls back as that one's would. When the
+given tokens do not start at the first token, recording is taken to have begun where they exceed
+the window's ``window - 1`` (what a recording ``SlidingLayer`` holds). When ``k`` starts later than
 the oldest of those blocks (a full-precision sliding layer keeps only ``window - 1`` tokens), the
 missing head of that block is filled with copies of the oldest given token before it is
 quantized: those positions lie before the window and are never attended, but the block's
@@ -104,11 +109,16 @@ def ingest(q, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
         sink_k, sink_v = key.narrow(2, 0, sinks), value.narrow(2, 0, sinks)
         key, value = key.narrow(2, sinks, key.shape[2] - sinks), value.narrow(2, sinks, value.shape[2] - sinks)
     seen -= sinks
-    g = q.g
+    g, s = q.g, key.shape[2]
     r = seen - flush_split(0, seen, q.r, g)  # residual tokens (KIVI rule)
     total = (seen - r) // g  # blocks a fed layer packed
-    kept = total if q.window is None else min(total, q.store_window - 1)  # blocks its store keeps
-    need, s = kept * g + r, key.shape[2]
+    recorded = _recorded(q, s, seen)
+    if q.window is None:
+        kept = total
+    else:  # blocks its store keeps: the window's when recording began, and every one packed since
+        before = flush_split(0, seen - recorded, q.r, g) // g  # blocks packed when recording began
+        kept = min(before, q.store_window - 1) + total - before
+    need = kept * g + r
     if s < need:  # sliding: the oldest kept block starts before the given tokens (module docstring)
         key, value = (_pad_front(t, need - s) for t in (key, value))
     key, value = key.narrow(2, key.shape[2] - need, need), value.narrow(2, value.shape[2] - need, need)
@@ -124,7 +134,15 @@ def ingest(q, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
     except CacheError:
         q.reset()
         raise
-    q.spec, q.codecs, q.seen, q.stored = spec, codecs, seen + sinks, bool(total)
+    q.spec, q.codecs, q.seen, q.stored, q.recorded = spec, codecs, seen + sinks, bool(total), recorded
+
+
+def _recorded(q, given: int, seen: int) -> int:
+    """The tokens a recording sliding layer fed ``seen`` tokens recorded, from the ``given`` it
+    holds: all of them when it holds every token, else those beyond the window's ``window - 1``."""
+    if q.window is None or not q.recording:
+        return 0
+    return seen if given >= seen else max(0, given - (q.window - 1))
 
 
 def adopt(q, other) -> None:

@@ -119,9 +119,9 @@ class Staged:
                                  f"({e}); reset the cache") from e
             self.pairs.pop(0)
             try:
-                inner.update(host_k, host_v)
+                inner.append(host_k, host_v)
             except CacheError as e:
                 self.pairs = []
                 raise CacheError(f"offload: layer {self.index}'s host copy could not take its new tokens ({e}); "
-                                 "its device copy has them, the host copy does not: reset the cache") from None
+                                 "its device copy has them, the host copy does not: reset the cache") from e
 

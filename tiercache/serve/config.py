@@ -54,7 +54,7 @@ def load_store_config(source=None) -> StoreConfig:
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-            raise PolicyError(f"store config {str(path)!r} is not readable YAML: {e}") from None
+            raise PolicyError(f"store config {str(path)!r} is not readable YAML: {e}") from e
         base = path.resolve().parent
     if not isinstance(data, dict):
         raise PolicyError(f"store: expected a mapping with {', '.join(_FIELDS)}, got {type(data).__name__}")
@@ -97,7 +97,7 @@ def _rung(value, i: int, base: Path) -> Policy:
     try:
         policy = load_policy(value)
     except PolicyError as e:
-        raise PolicyError(f"{where}: {e}") from None
+        raise PolicyError(f"{where}: {e}") from e
     if policy.auto:
         raise PolicyError(f"{where}: auto policies cannot be ladder rungs (a rung must be one concrete form)")
     return policy
