@@ -18,7 +18,7 @@ import torch
 
 import tiercache
 from tiercache.chain import Shared, build, build_layers, make_storage
-from tiercache.chainspec import ChainSpec, spec_for
+from tiercache.chainspec import spec_for
 from tiercache.errors import CacheError
 from tiercache.model_spec import ModelSpec
 from tiercache.policy import LayerPolicy, OffloadPolicy, QuantizePolicy, load_policy

@@ -125,11 +125,6 @@ class Quantize(KVLayer):
         self.stored = False  # the store has had an update (knows batch, dtype, device)
         self.finite = FiniteGuard()  # refuses non-finite updates (processors/finite.py)
 
-    @property
-    def config(self) -> QuantizePolicy:
-        """The policy this layer quantizes by (its saved ``config``): the block format, the residual, the sinks."""
-        return self.codec.spec.policy(self.r, self.sink_tokens)
-
     # -- the protocol ---------------------------------------------------------------------------
     @torch.no_grad()
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,6 +262,11 @@ class Quantize(KVLayer):
 
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
         quantize_state.ingest(self, key, value, seen)
+
+    @property
+    def config(self) -> QuantizePolicy:
+        """The policy this layer quantizes by (its saved ``config``): the block format, the residual, the sinks."""
+        return self.codec.spec.policy(self.r, self.sink_tokens)
 
     def can_adopt(self, other: KVLayer) -> bool:
         """The same block format (codec) and residual rule: ``other``'s packed rows and residual are
