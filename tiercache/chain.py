@@ -48,8 +48,9 @@ def make_storage(window: int | None = None, max_length: int | None = None, tier=
                  padded: bool = False) -> KVLayer:
     """``sliding`` when a window is given, else ``static`` when a max_length is, else ``full``.
 
-    ``chunk``: tokens of capacity a growable buffer adds at a time (Quantize stores one packed
-    block per "token", so it asks for a few blocks at a time rather than 256). ``padded``: a
+    ``chunk``: tokens of capacity a growable buffer adds at a time (a quantized layer's store
+    holds one packed block per "token" and grows ``STORE_CHUNK`` rows at a time, not 256:
+    its ``StoreSpec``). ``padded``: a
     static layer returns all ``max_length`` slots (only in a cache that is compileable as a
     whole, see ``tiercache.layers.static``).
     """
