@@ -121,12 +121,12 @@ def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) 
     if model.kv_sharing(lp.index) == "reuse":  # reads another layer's K/V: never updated
         return Footprint({}, 0)
     spec = spec_for(lp)  # what the chain builder builds: the store's kind and geometry
-    store, sliding = spec.store, spec.store.kind == "sliding"
+    st, sliding = spec.store, spec.store.kind == "sliding"
     kept = kept_tokens(lp, tokens)
     cold = "host" if lp.offload is None or lp.offload.device == "cpu" else "disk"
     i = lp.index
     if spec.quantize is None:
-        cap = store.capacity(tokens)
+        cap = st.capacity(tokens)
         fp = _fp_bytes(model, i, batch, cap)
         if lp.offload is None:
             return Footprint({"device": fp}, kept)
@@ -137,19 +137,19 @@ def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) 
     residual += sinks
     blocks = packed // q.group_size
     # the store of packed rows, one per block, appended a flush (``flush_rows``) at a time
-    rows = store.capacity(blocks, step=flush_rows(q.residual_length, q.group_size))
+    rows = st.capacity(blocks, step=flush_rows(q.residual_length, q.group_size))
     block = batch * model.kv_shape(i)[0] * _block_bytes(q, model, i)
-    store_bytes = rows * block
-    kept_rows = min(blocks, store.window - 1) if sliding else blocks
+    store = rows * block
+    kept_rows = min(blocks, st.window - 1) if sliding else blocks
     held = {"device": _fp_bytes(model, i, batch, residual)}
     # the K/V a decode step returns, in the shared workspace (a "store" layer returns fresh tensors)
     returned = min(tokens, lp.window) if sliding else tokens
     shares = returned and not spec.owned_outputs
     work = _fp_bytes(model, i, batch, capacity_for(returned)) if shares else 0
     if lp.offload is None:
-        held["device"] += store_bytes
+        held["device"] += store
         return Footprint(held, min(kept, kept_rows * q.group_size + residual), 0, work)
-    held[cold] = store_bytes
+    held[cold] = store
     mirror = block * _mirror_tokens(rows, kept_rows) if blocks else 0
     return Footprint(held, min(kept, kept_rows * q.group_size + residual), mirror, work)
 
