@@ -1,9 +1,18 @@
-"""Build one processor chain per model layer from the resolved policy.
+"""Build one processor chain per model layer: ``build(spec_for(lp), shared)``.
+
+    build(spec: ChainSpec, shared=None) -> KVLayer      the only constructor of chains
+    build_layer(lp, shared, padded=False)               ``build(spec_for(lp, padded), shared)``
+    build_layers(layer_policies) -> (layers, Shared)    one cache's chains and what they share
+    make_storage(window, max_length, tier, chunk, padded)   one storage layer
+
+The chain's shape comes from its ``ChainSpec`` (``tiercache.chainspec``, derived purely from the
+``LayerPolicy``), from the inside out:
 
     quantize off, offload off:   storage                       (full | static | sliding)
     offload only:                Offload(storage on host/disk)
-    quantize (+ offload):        Quantize(store factory)       the factory builds the store of
-                                                               packed blocks, offloaded when asked
+    quantize (+ offload):        Quantize(store, Codec)        the store of packed blocks, sized
+                                                               by the spec (rows, not tokens),
+                                                               offloaded when asked
 
 Cross-attention layers (``layer_type == "cross_attention"``, encoder-decoder models) get
 ``CrossAttention(...)`` around the chain: transformers reads them back through ``.keys`` /
@@ -26,6 +35,7 @@ import math
 
 import torch
 
+from tiercache.chainspec import ChainSpec, spec_for
 from tiercache.layers.base import KVLayer
 from tiercache.layers.buffer import CHUNK, capacity_for
 from tiercache.layers.full import FullLayer
@@ -38,8 +48,9 @@ def make_storage(window: int | None = None, max_length: int | None = None, tier=
                  padded: bool = False) -> KVLayer:
     """``sliding`` when a window is given, else ``static`` when a max_length is, else ``full``.
 
-    ``chunk``: tokens of capacity a growable buffer adds at a time (Quantize stores one packed
-    block per "token", so it asks for a few blocks at a time rather than 256). ``padded``: a
+    ``chunk``: tokens of capacity a growable buffer adds at a time (a quantized layer's store
+    holds one packed block per "token" and grows ``STORE_CHUNK`` rows at a time, not 256:
+    its ``StoreSpec``). ``padded``: a
     static layer returns all ``max_length`` slots (only in a cache that is compileable as a
     whole, see ``tiercache.layers.static``).
     """
@@ -119,31 +130,41 @@ def compileable(lp: LayerPolicy) -> bool:
     return lp.storage == "static" and lp.window is None and lp.quantize is None and lp.offload is None
 
 
-def build_layer(lp: LayerPolicy, shared: Shared, padded: bool = False) -> KVLayer:
-    max_length = lp.max_length if lp.storage == "static" else None
-    owned = lp.kv_sharing == "store"  # the model keeps this layer's K/V past other layers' updates
+def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
+    """The chain ``spec`` describes (module docstring). ``shared``: what the layers of one cache
+    share; None builds a chain that shares nothing (a quantized layer returns fresh tensors, an
+    offloaded one gets a prefetcher of its own)."""
+    st = spec.store
 
-    def make_store(window: int | None = None, max_length: int | None = None, chunk: int = CHUNK) -> KVLayer:
-        if lp.offload is None:
-            return make_storage(window, max_length, chunk=chunk, padded=padded)
+    def storage(tier=None) -> KVLayer:
+        return make_storage(st.window, st.max_length, tier, st.chunk, st.padded)
+
+    if spec.offload is None:
+        layer = storage()
+    else:
         from tiercache.processors.offload import offloaded
 
-        return offloaded(lambda tier: make_storage(window, max_length, tier, chunk), lp.offload, shared.prefetcher,
-                         lp.index, owned_outputs=owned and lp.quantize is None)
-
-    if lp.quantize is None:
-        layer = make_store(lp.window, max_length)
-    else:
+        prefetcher = (shared if shared is not None else Shared()).prefetcher
+        layer = offloaded(storage, spec.offload, prefetcher, spec.index,
+                          owned_outputs=spec.owned_outputs and spec.quantize is None)
+    if spec.quantize is not None:
+        from tiercache.processors.blocks import Codec
         from tiercache.processors.quantize import Quantize
 
-        layer = Quantize(make_store, lp.quantize, window=lp.window, max_length=max_length,
-                         shared=None if owned else shared)
-    if lp.layer_type == "cross_attention":  # read back every step through .keys / .values
+        q = spec.quantize
+        layer = Quantize(layer, Codec(q.codec), q.residual_length, q.sink_tokens, window=q.window,
+                         max_length=q.max_length, shared=None if spec.owned_outputs else shared)
+    if spec.cross:  # read back every step through .keys / .values
         from tiercache.processors.cross import CrossAttention
 
-        layer = CrossAttention(layer, fresh_reads=lp.quantize is not None)
-    layer.policy = lp  # each chain knows the LayerPolicy it was built from
+        layer = CrossAttention(layer, fresh_reads=spec.quantize is not None)
+    layer.policy = spec.policy  # each chain knows the LayerPolicy it was built from
     return layer
+
+
+def build_layer(lp: LayerPolicy, shared: Shared, padded: bool = False) -> KVLayer:
+    """``build(spec_for(lp, padded), shared)``."""
+    return build(spec_for(lp, padded), shared)
 
 
 def build_layers(layer_policies: list[LayerPolicy]) -> tuple[list[KVLayer], Shared]:

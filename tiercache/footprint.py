@@ -10,12 +10,15 @@ Interface
     workspace_bytes(footprints, model, batch) -> int
         device bytes of the dequantization workspace the quantized layers share (``chain.Shared``).
 
-The formulas follow the layers' allocation rules, so they predict ``nbytes()`` (allocated, not
-logical bytes) rather than ``tokens * bytes per token``. They describe a cache in steady
+The formulas are the layers' own allocation rules, called rather than restated, so they predict
+``nbytes()`` (allocated, not logical bytes) rather than ``tokens * bytes per token``: the store's
+kind and geometry come from the layer's chain spec (``tiercache.chainspec``, what the chain
+builder builds), capacities from ``layers/capacity.py``, the packed row layout from
+``processors/codec.py`` and the residual split from ``processors/geometry.py``. They describe a cache in steady
 decoding at ``tokens`` (a prefill, then single-token steps); right after a long prefill a
 sliding buffer can be one slack smaller.
 - ``full``: a buffer grown to ``capacity_for(tokens)`` (whole CHUNKs of 256 tokens);
-- ``sliding``: ``window`` tokens plus ``min(window, CHUNK)`` slack, in CHUNKs;
+- ``sliding``: ``window`` tokens plus ``min(window, CHUNK)`` slack, in CHUNKs (``sliding_capacity``);
 - ``static``: ``max_length`` tokens, preallocated;
 - ``quantize`` (``processors/quantize.py``, ``blocks.py``): the residual, exactly the
   ``r(tokens)`` full-precision tokens it holds (``quantize_split``: a function of the tokens seen
@@ -44,13 +47,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tiercache.layers.buffer import CHUNK, capacity_for
+from tiercache.chainspec import spec_for
+from tiercache.layers.capacity import capacity_for
 from tiercache.model_spec import ModelSpec
 from tiercache.policy import LayerPolicy, QuantizePolicy
 from tiercache.processors.mirror import steady_capacity
+from tiercache.processors.codec import CodecSpec
+from tiercache.processors.geometry import flush_rows, flush_split
 
 TIERS = ("device", "host", "disk")
-STORE_CHUNK = 1  # rows (blocks) of capacity Quantize's block store adds at a time (quantize.py)
 
 
 @dataclass(frozen=True)
@@ -68,27 +73,15 @@ class Footprint:
 
 def kept_tokens(lp: LayerPolicy, tokens: int) -> int:
     """Tokens a layer keeps after seeing ``tokens``: all of them, or the last ``window - 1``."""
-    if lp.storage == "sliding" and lp.window:
+    if spec_for(lp).store.kind == "sliding":
         return min(tokens, lp.window - 1)
     return tokens
 
 
-def storage_capacity(lp: LayerPolicy, tokens: int, chunk: int = CHUNK, window: int | None = None,
-                     max_length: int | None = None) -> int:
-    """Capacity (tokens, or rows) the storage of ``lp`` allocates after ``tokens`` were appended.
-
-    ``window`` / ``max_length`` default to the layer's; the quantized store passes its own in
-    blocks (one row per block), with its own ``chunk``.
-    """
-    window = lp.window if window is None else window
-    max_length = lp.max_length if max_length is None else max_length
-    if tokens <= 0:
-        return 0
-    if lp.storage == "static":
-        return max_length
-    if lp.storage == "sliding" and window:
-        return capacity_for(min(tokens, window) + min(chunk, window), chunk)
-    return capacity_for(tokens, chunk)
+def storage_capacity(lp: LayerPolicy, appended: int) -> int:
+    """Capacity the store of ``lp`` allocates after ``appended`` one at a time: tokens, or rows
+    (blocks) for a quantized layer (the chain spec's store, ``StoreSpec.capacity``)."""
+    return spec_for(lp).store.capacity(appended)
 
 
 def _fp_bytes(model: ModelSpec, index: int, batch: int, tokens: int) -> int:
@@ -98,14 +91,8 @@ def _fp_bytes(model: ModelSpec, index: int, batch: int, tokens: int) -> int:
 
 
 def row_bytes(q: QuantizePolicy, head_dim: int, axis: str, dtype_bytes: int) -> int:
-    """Bytes of one packed block row (``processors/blocks.py``): codes, pad, scale [, offset]."""
-    from tiercache.processors.blocks import token_groups
-
-    bits = 8 if q.format == "fp8" else q.bits
-    codes = -(-q.group_size * head_dim * bits // 8)
-    meta_at = -(-codes // dtype_bytes) * dtype_bytes
-    groups = head_dim if axis == "channel" else q.group_size * token_groups(head_dim, q.group_size)
-    return meta_at + groups * dtype_bytes * (1 if q.format == "fp8" else 2)
+    """Bytes of one packed block row (``processors/codec.py``: codes, pad, scale [, offset])."""
+    return CodecSpec.of(q).row_bytes(head_dim, axis, dtype_bytes)
 
 
 def quantized_bytes(q: QuantizePolicy, model: ModelSpec, batch: int, tokens: int, index: int = 0) -> int:
@@ -125,11 +112,9 @@ def quantize_split(q: QuantizePolicy, seen: int) -> tuple[int, int]:
     """(packed tokens, residual tokens) after ``seen`` tokens went through a Quantize layer.
 
     KIVI: the residual fills up to ``residual_length`` (at least one block), then its whole
-    blocks are packed (``processors/quantize.py``: ``flush_split``), so it holds fewer than
-    ``max(residual_length, group_size)`` tokens, and how many depends on ``seen`` alone.
+    blocks are packed (``processors/geometry.py``: ``flush_split``, Quantize's own rule), so it
+    holds fewer than ``max(residual_length, group_size)`` tokens, and how many depends on ``seen`` alone.
     """
-    from tiercache.processors.quantize import flush_split
-
     packed = flush_split(0, seen, q.residual_length, q.group_size)
     return packed, seen - packed
 
@@ -137,35 +122,31 @@ def quantize_split(q: QuantizePolicy, seen: int) -> tuple[int, int]:
 def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) -> Footprint:
     if model.kv_sharing(lp.index) == "reuse":  # reads another layer's K/V: never updated
         return Footprint({}, 0)
+    spec = spec_for(lp)  # what the chain builder builds: the store's kind and geometry
+    st, sliding = spec.store, spec.store.kind == "sliding"
     kept = kept_tokens(lp, tokens)
     cold = "host" if lp.offload is None or lp.offload.device == "cpu" else "disk"
     i = lp.index
-    if lp.quantize is None:
-        cap = storage_capacity(lp, tokens)
+    if spec.quantize is None:
+        cap = st.capacity(tokens)
         fp = _fp_bytes(model, i, batch, cap)
         if lp.offload is None:
             return Footprint({"device": fp}, kept)
         return Footprint({cold: fp}, kept, _fp_bytes(model, i, batch, steady_capacity(cap, kept)))
     q = lp.quantize
-    sinks = 0 if lp.storage == "sliding" and lp.window else min(tokens, q.sink_tokens)  # exact, on the device
+    sinks = min(tokens, spec.quantize.sinks)  # exact, on the device
     packed, residual = quantize_split(q, tokens - sinks)
     residual += sinks
     blocks = packed // q.group_size
-    chunk = STORE_CHUNK
-    window = -(-(lp.window - 1) // q.group_size) + 1 if lp.storage == "sliding" and lp.window else None
-    rows = storage_capacity(lp, blocks, chunk, window, max(1, (lp.max_length or 0) // q.group_size))
-    first = max(q.residual_length, q.group_size)
-    if window and blocks and (first - first % q.group_size) // q.group_size > chunk:
-        # a flush appends several rows at once: SlidingLayer's long-update path keeps the last
-        # window - 1 rows with one row of slack, every time
-        rows = min(blocks, window - 1) + 1
+    # the store of packed rows, one per block, appended a flush (``flush_rows``) at a time
+    rows = st.capacity(blocks, step=flush_rows(q.residual_length, q.group_size))
     block = batch * model.kv_shape(i)[0] * _block_bytes(q, model, i)
     store = rows * block
-    kept_rows = min(blocks, window - 1) if window else blocks
+    kept_rows = min(blocks, st.window - 1) if sliding else blocks
     held = {"device": _fp_bytes(model, i, batch, residual)}
     # the K/V a decode step returns, in the shared workspace (a "store" layer returns fresh tensors)
-    returned = min(tokens, lp.window) if lp.storage == "sliding" and lp.window else tokens
-    shares = returned and model.kv_sharing(i) != "store"
+    returned = min(tokens, lp.window) if sliding else tokens
+    shares = returned and not spec.owned_outputs
     work = _fp_bytes(model, i, batch, capacity_for(returned)) if shares else 0
     if lp.offload is None:
         held["device"] += store

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiercache.chain import make_storage
 from tiercache.errors import CacheError
 from tiercache.policy import QuantizePolicy
 from tiercache.processors.quantize import Quantize
+from tests.processors.quantized import quantized
 
 B, H, D = 3, 2, 8
 
@@ -70,7 +70,7 @@ class Reference:
 
 
 def make(config, kind):
-    return Quantize(make_storage, config, **kind)
+    return quantized(config, **kind)
 
 
 def kv(t, dtype, seed):

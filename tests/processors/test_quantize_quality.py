@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiercache.chain import make_storage
 from tiercache.policy import QuantizePolicy
 from tiercache.processors import backends
 from tiercache.processors.blocks import BlockCodec
-from tiercache.processors.quantize import Quantize
+from tests.processors.quantized import quantized
 
 # (backend, bits, format, minimum SQNR in dB on Gaussian data, group 64); measured about 0.5 dB above.
 # 1 bit keeps only two levels per group: worse than zero on Gaussian data, usable only for outlier-free data.
@@ -86,7 +85,7 @@ NBYTES = [
 def test_packed_nbytes_within_3_percent(bits, fmt, dtype, group, kax, vax):
     batch, heads, dim, tokens = 1, 4, 128, 1088
     config = QuantizePolicy(bits=bits, format=fmt, group_size=group, residual_length=64, key_axis=kax, value_axis=vax)
-    layer = Quantize(make_storage, config)
+    layer = quantized(config)
     layer.update(torch.randn(batch, heads, tokens, dim).to(dtype), torch.randn(batch, heads, tokens, dim).to(dtype))
     packed_tokens = layer.store.seq_length() * group
     # KIVI flush: every time the residual reaches 64 tokens (one block of 128 for group 128)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import tiercache
-from tiercache.chain import Shared, make_storage
+from tiercache.chain import Shared
 from tiercache.errors import CacheError
 from tiercache.policy import QuantizePolicy
-from tiercache.processors.quantize import Quantize
+from tests.processors.quantized import quantized
 
 B, H, D = 2, 2, 8
 
@@ -23,7 +23,7 @@ def kv(t, seed, dtype=torch.float32):
 
 
 def layer(r, g, shared=None, **kind):
-    return Quantize(make_storage, QuantizePolicy(bits=4, group_size=g, residual_length=r), shared=shared, **kind)
+    return quantized(QuantizePolicy(bits=4, group_size=g, residual_length=r), shared, **kind)
 
 
 def held_by_single_steps(r, g, n):

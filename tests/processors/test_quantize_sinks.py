@@ -9,11 +9,11 @@ import torch
 from transformers import LlamaConfig, MistralConfig
 
 import tiercache
-from tiercache.chain import Shared, make_storage
+from tiercache.chain import Shared
 from tiercache.errors import PolicyError
 from tiercache.planner import plan
 from tiercache.policy import QuantizePolicy
-from tiercache.processors.quantize import Quantize
+from tests.processors.quantized import quantized
 
 B, H, D = 2, 3, 16
 G, R = 16, 32
@@ -31,7 +31,7 @@ def kv(t, seed, dtype=torch.float32):
 
 def layer(sinks, bits=2, shared=None, **kind):
     q = QuantizePolicy(bits=bits, group_size=G, residual_length=R, sink_tokens=sinks)
-    return Quantize(make_storage, q, shared=shared, **kind)
+    return quantized(q, shared, **kind)
 
 
 @pytest.mark.parametrize("sinks,steps", CASES, ids=[f"n{n}-{len(s)}updates" for n, s in CASES])

@@ -5,8 +5,8 @@ Appending writes into spare capacity; only when that runs out is a larger buffer
 (capacity rounded up to ``CHUNK`` tokens) and the held tokens copied once. So per-token cost
 does not grow with history, and readers get views, never a concatenation.
 
-``capacity_for(n)`` is the capacity a buffer that grew to ``n`` tokens holds; the planner uses it
-to predict ``nbytes()`` exactly.
+``capacity_for(n)`` (``layers/capacity.py``, with ``CHUNK``) is the capacity a buffer that grew to
+``n`` tokens holds; the planner uses the same function to predict ``nbytes()`` exactly.
 
 ``state_dict()`` is ``spec``, ``capacity`` and the held ``keys`` / ``values`` (views, ``[B, H, n,
 D]``); ``load_state_dict(sd)`` allocates the same capacity on this buffer's own tier and copies
@@ -18,16 +18,9 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.layers.capacity import CHUNK, capacity_for  # the allocation rules (also the planner's)
 from tiercache.layers.spec import KVSpec
 from tiercache.layers.state import empty_pair, field, held_pair, spec_from, spec_state
-
-CHUNK = 256  # tokens of capacity added at a time
-
-
-def capacity_for(tokens: int, chunk: int = CHUNK) -> int:
-    """Capacity (tokens) of a buffer that grew to hold ``tokens``: rounded up to whole chunks."""
-    return max(chunk, -(-tokens // chunk) * chunk)
-
 
 class Buffer:
     def __init__(self, tier, chunk: int = CHUNK):

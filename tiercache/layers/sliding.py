@@ -10,7 +10,9 @@ raises there too, or, recording, keeps a wrong window). Cropping every token (or
 the layer, as in transformers before the window fills.
 
 Memory: a buffer of about ``window + min(window, CHUNK)`` tokens (at least one CHUNK); when its end is reached the kept tokens
-slide down to the front (one copy of the window every ``CHUNK`` tokens, not per token).
+slide down to the front (one copy of the window every ``CHUNK`` tokens, not per token). The
+slack and the long-update rule are ``layers/capacity.py``'s (``sliding_slack``, ``long_update``,
+``sliding_capacity``), which the planner uses too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.buffer import CHUNK, Buffer
+from tiercache.layers.capacity import long_update, sliding_slack
 from tiercache.layers.spec import KVSpec
 from tiercache.layers.state import check_ingest, expect, field, nest, part
 from tiercache.tiers import ComputeTier
@@ -35,13 +38,13 @@ class SlidingLayer(KVLayer):
         self.buffer = Buffer(tier or ComputeTier(), chunk)  # chunk: capacity added at a time (tokens)
         self.seen = 0  # tokens seen, including those slid out
         self.recording = False
-        self.slack = min(chunk, window)  # tokens appended between two slides of the window
+        self.slack = sliding_slack(window, chunk)  # tokens appended between two slides of the window
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         buf = self.buffer
         t, keep = key.shape[2], self.window - 1
         visible = keep + t
-        if not self.recording and len(buf) + t > buf.capacity and t > buf.chunk:
+        if not self.recording and long_update(len(buf), t, buf.capacity, buf.chunk):
             # A long update (prefill): attend over held + new once, keep only the window's tail.
             if len(buf):
                 hk, hv = buf.view()

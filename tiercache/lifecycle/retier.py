@@ -6,9 +6,10 @@ memory at any moment is about one layer (its export at full precision and its ne
 never a second whole cache.
 
 How a layer moves
-- Both quantized with the same block format (``QuantizePolicy`` equal: backend, bits, group,
-  residual, axes), e.g. int4 resident -> int4 on the host: ``new.adopt(old)``, the packed blocks
-  move as they are (never re-quantized) and the residual is copied.
+- Both quantized with the same block format and residual rule (``Quantize.can_adopt``: equal
+  codecs, ``processors/codec.CodecSpec``: backend, bits, group, axes, format, clip; the same
+  residual length and sinks), e.g. int4 resident -> int4 on the host: ``new.adopt(old)``, the
+  packed blocks move as they are (never re-quantized) and the residual is copied.
 - Otherwise ``new.ingest(*old.export())``: lossless moves (device, host, disk; full, static,
   sliding) are bit-exact; into quantization the state is what a cache of the new policy fed the
   same tokens holds (KIVI residual rule), so the next logits are identical to such a cache's;

@@ -1,6 +1,10 @@
 """Packed blocks: ``group_size`` tokens of one K (or V) head quantized into one row of bytes.
 
 Interface
+    Codec(spec: CodecSpec)     a layer's block format (``processors/codec.py``) and its backend
+        for_kv(key_dim, value_dim, dtype) -> (BlockCodec, BlockCodec)   made at the first update
+        row_bytes(head_dim, axis, dtype_bytes)                          the row layout's size
+        equal when the specs are (the same block format)
     BlockCodec(backend, group_size, head_dim, axis, dtype)
     encode(x) -> rows          x ``[B, H, N*G, D]`` float -> rows ``[B, H, N, row_bytes]`` uint8
     decode(rows, out, remember=True)
@@ -10,7 +14,8 @@ Interface
     roundtrip(x)               ``decode(encode(x))``: what attention sees for quantized tokens
     row_bytes / groups         bytes of one block row, quantization groups per block
 
-Row layout: ``[codes | pad | scale | offset]``. Codes are packed ``8 // bits`` per byte, planar
+Row layout: ``[codes | pad | scale | offset]`` (``codec.row_layout``, which the planner counts by
+too). Codes are packed ``8 // bits`` per byte, planar
 (byte ``j`` holds elements ``j``, ``j + E/per``, ... of the token-major ``[G, D]`` block, so each
 bit plane is a contiguous run of tokens; 3-bit codes as a bit stream); scale and
 offset are in the model dtype, viewed as bytes (``pad`` aligns them). ``axis`` says what a
@@ -26,11 +31,13 @@ packed history and two over its dequantized output, with no temporary of the out
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.processors import backends
+from tiercache.processors.codec import CodecSpec, row_layout, token_groups
+
+__all__ = ["BlockCodec", "Codec", "pack", "unpack", "plane", "token_groups"]
 
 _SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -85,12 +92,32 @@ def unpack(packed: torch.Tensor, bits: int, e: int) -> torch.Tensor:
     return (stream << _shifts(1, bits, packed.device)).sum(-1, dtype=torch.uint8)
 
 
-def token_groups(head_dim: int, group_size: int) -> int:
-    """Groups per token for ``axis: token``: ``ceil(D / G)``, raised until it divides ``D``."""
-    n = -(-head_dim // min(group_size, head_dim))
-    while head_dim % n:
-        n += 1
-    return n
+class Codec:
+    """A quantized layer's block format (a ``CodecSpec``) with its backend; ``Quantize`` gets one
+    from the chain builder and asks it for the two ``BlockCodec`` at its first update, when the
+    head dims and dtype are known."""
+
+    def __init__(self, spec: CodecSpec):
+        self.spec = spec
+        self.backend = backends.get(spec)  # validated here: a bad backend fails when the chain is built
+        self.group_size = spec.group_size
+
+    def for_kv(self, key_dim: int, value_dim: int, dtype: torch.dtype) -> tuple["BlockCodec", "BlockCodec"]:
+        """Fresh codecs for the keys and the values (each remembers the views it last decoded)."""
+        return (BlockCodec(self.backend, self.group_size, key_dim, self.spec.key_axis, dtype),
+                BlockCodec(self.backend, self.group_size, value_dim, self.spec.value_axis, dtype))
+
+    def row_bytes(self, head_dim: int, axis: str, dtype_bytes: int) -> int:
+        return self.spec.row_bytes(head_dim, axis, dtype_bytes)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Codec) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def __repr__(self) -> str:
+        return f"Codec({self.spec})"
 
 
 class BlockCodec:
@@ -104,12 +131,9 @@ class BlockCodec:
             n = token_groups(head_dim, group_size)
             self.shape, self.dim, self.meta_shape = (group_size, n, head_dim // n), -1, (group_size, n, 1)
         self.elements = group_size * head_dim
-        self.groups = math.prod(self.meta_shape)
-        self.size = size = torch.empty((), dtype=dtype).element_size()
-        self.code_bytes = -(-self.elements * backend.bits // 8)
-        self.meta_at = -(-self.code_bytes // size) * size
-        self.meta_bytes = self.groups * size
-        self.row_bytes = self.meta_at + self.meta_bytes * (2 if backend.has_offset else 1)
+        self.size = torch.empty((), dtype=dtype).element_size()
+        layout = row_layout(backend.bits, backend.has_offset, group_size, head_dim, axis, self.size)
+        self.code_bytes, self.meta_at, self.groups, self.meta_bytes, self.row_bytes = layout
         self._last = None  # (rows key, (codes, scale, offset)): see _parts
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,17 @@
 """``Quantize``: tokens beyond a full-precision residual are kept as packed blocks (KIVI-style).
 
-    Quantize(make_store, config: QuantizePolicy, window=None, max_length=None, shared=None)   a KVLayer
+    Quantize(inner, codec, residual_length, sink_tokens=0, window=None, max_length=None, shared=None)
+        a KVLayer around ``inner``, like ``Offload(inner)``
 
-``make_store(window, max_length, chunk)`` builds the *inner store* (full / sliding / static,
-possibly offloaded); Quantize appends to it one "token" per block: a uint8 row ``[B, H, 1,
-row_bytes]`` for the keys and one for the values (``tiercache.processors.blocks``), so the store
-and an Offload around it only ever hold and move compressed bytes. ``shared`` (a
+``inner`` is the *store* (full / sliding / static, possibly offloaded), built by the chain
+builder from the chain spec's geometry (``tiercache.chainspec``, ``processors/geometry.py``): a
+sliding layer's store covers ``store_window(window, G)`` blocks, a static one
+``static_rows(max_length, G)``, a full one is unbounded (a mismatch is refused). Quantize
+appends to it one "token" per block: a uint8 row ``[B, H, 1, row_bytes]`` for the keys and one
+for the values (``tiercache.processors.blocks``), so the store and an Offload around it only
+ever hold and move compressed bytes. ``codec`` (``blocks.Codec``) is the block format; it makes
+the two ``BlockCodec`` at the first update, when head dims and dtype are known. ``config`` is
+the equivalent ``QuantizePolicy`` (what a state dict records). ``shared`` (a
 ``tiercache.chain.Shared``) lends the dequantization workspace; without it every update
 returns fresh tensors.
 
@@ -75,46 +81,43 @@ import torch
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_repeats
 from tiercache.layers.spec import KVSpec
-from tiercache.processors import backends
+from tiercache.policy import QuantizePolicy
 from tiercache.processors import quantize_crop, quantize_state
-from tiercache.processors.blocks import BlockCodec
+from tiercache.processors.blocks import BlockCodec, Codec
 from tiercache.processors.finite import FiniteGuard, describe
+from tiercache.processors.geometry import flush_split, kept_sinks, static_rows, store_window
 from tiercache.processors.residual import Residual
 
-
-def flush_split(held: int, new: int, residual_length: int, group_size: int) -> int:
-    """Tokens to pack when ``new`` tokens join a residual of ``held``: as ``new`` one-token updates would."""
-    first = max(residual_length, group_size)  # the residual is flushed when it reaches this
-    total = held + new
-    if total < first:
-        return 0
-    base = first % group_size  # what stays after a flush
-    return total - (base + (total - first) % (first - base))
+__all__ = ["Quantize", "flush_split"]
 
 
 class Quantize(KVLayer):
-    def __init__(self, make_store, config, window: int | None = None, max_length: int | None = None, shared=None):
-        self.config = config
-        self.backend = backends.get(config)
-        self.g, self.r = config.group_size, config.residual_length
+    def __init__(self, inner: KVLayer, codec: Codec, residual_length: int, sink_tokens: int = 0,
+                 window: int | None = None, max_length: int | None = None, shared=None):
+        self.codec = codec
+        self.backend = codec.backend
+        self.g, self.r, self.sink_tokens = codec.group_size, residual_length, sink_tokens
         self.window, self.limit = window, max_length
         self.shared = shared
         self.is_sliding = window is not None
-        chunk = 1  # blocks of capacity added at a time: nbytes() stays the packed size
         if window is not None:
             if not isinstance(window, int) or window < 1:
                 raise CacheError(f"sliding window must be an int >= 1, got {window!r}")
-            self.store_window = -(-(window - 1) // self.g) + 1  # blocks; it keeps one less
-            self.store = make_store(window=self.store_window, chunk=chunk)
+            self.store_window = store_window(window, self.g)  # blocks; it keeps one less
+            rows = self.store_window
         elif max_length is not None:
             if not isinstance(max_length, int) or max_length < 1:
                 raise CacheError(f"static storage needs max_length >= 1, got {max_length!r}")
-            self.store = make_store(max_length=max(1, max_length // self.g))
+            rows = static_rows(max_length, self.g)
         else:
-            self.store = make_store(chunk=chunk)
+            rows = -1
+        if inner.max_length() != rows:
+            raise CacheError(f"quantize: the store must hold {rows} blocks (-1: unbounded) for window={window}, "
+                             f"max_length={max_length}, group_size={self.g}; got one of {inner.max_length()}")
+        self.store = inner  # one packed block per "token"
         self.residual = Residual()  # [B, H, r, D], r < max(R, G)
         self.sinks = Residual()  # [B, H, s, D], s <= N: the first tokens, exact
-        self.n_sinks = 0 if window is not None else config.sink_tokens
+        self.n_sinks = kept_sinks(sink_tokens, window)
         self.spec: KVSpec | None = None
         self.codecs: tuple[BlockCodec, BlockCodec] | None = None
         self.seen = 0  # tokens seen (positions), including any slid out of a window
@@ -258,8 +261,16 @@ class Quantize(KVLayer):
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
         quantize_state.ingest(self, key, value, seen)
 
+    @property
+    def config(self) -> QuantizePolicy:
+        """The policy this layer quantizes by (its saved ``config``): the block format, the residual, the sinks."""
+        return self.codec.spec.policy(self.r, self.sink_tokens)
+
     def can_adopt(self, other: KVLayer) -> bool:
-        return isinstance(other, Quantize) and other.config == self.config
+        """The same block format (codec) and residual rule: ``other``'s packed rows and residual are
+        what this layer would hold had it been fed the same tokens."""
+        return (isinstance(other, Quantize) and other.codec == self.codec and other.r == self.r
+                and other.n_sinks == self.n_sinks)
 
     def adopt(self, other: "Quantize") -> None:
         """Take ``other``'s state as held (same block format): packed blocks move, never re-quantized."""
@@ -297,8 +308,7 @@ class Quantize(KVLayer):
         self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
 
     def _codecs(self, spec: KVSpec) -> tuple[BlockCodec, BlockCodec]:
-        return tuple(BlockCodec(self.backend, self.g, d, axis, spec.dtype)
-                     for d, axis in ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
+        return self.codec.for_kv(spec.key_dim, spec.value_dim, spec.dtype)
 
     def _held_blocks(self):
         if not self.stored:

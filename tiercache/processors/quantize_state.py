@@ -146,7 +146,7 @@ def _recorded(q, given: int, seen: int) -> int:
 
 
 def adopt(q, other) -> None:
-    if other.config != q.config:
+    if not q.can_adopt(other):
         raise CacheError(f"adopt: block formats differ ({other.config} vs {q.config}); use ingest(*export())")
     other.finite.settle()  # the source's pending non-finite refusal surfaces; nothing changed yet
     if other.spec is None:

@@ -1,0 +1,29 @@
+"""The block format (``CodecSpec``) and its row layout, which the planner counts by, against the rows
+``BlockCodec`` really packs, for integer and fp8 formats on both axes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiercache.policy import QuantizePolicy
+from tiercache.processors.blocks import Codec
+from tiercache.processors.codec import CodecSpec
+
+FORMATS = [QuantizePolicy(bits=2, group_size=32), QuantizePolicy(bits=4, group_size=64, key_axis="token"),
+           QuantizePolicy(bits=8, group_size=16, value_axis="channel"), QuantizePolicy(bits=8, format="fp8", group_size=32)]
+
+
+@pytest.mark.parametrize("q", FORMATS, ids=["int2", "int4-token", "int8-channel", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dims", [(16, 16), (48, 80), (128, 64)], ids=lambda d: f"k{d[0]}v{d[1]}")
+def test_row_layout_is_what_the_codecs_pack(q, dtype, dims):
+    spec = CodecSpec.of(q)
+    assert spec.policy(q.residual_length, q.sink_tokens) == q  # the inverse of CodecSpec.of
+    kc, vc = Codec(spec).for_kv(*dims, dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    for codec, dim, axis in ((kc, dims[0], q.key_axis), (vc, dims[1], q.value_axis)):
+        rows = codec.encode(torch.randn(2, 3, 2 * q.group_size, dim).to(dtype))  # [B, H, N, row]
+        assert rows.shape == (2, 3, 2, spec.row_bytes(dim, axis, size))
+        layout = spec.layout(dim, axis, size)
+        assert (codec.code_bytes, codec.meta_at, codec.groups) == layout[:3]

@@ -1,0 +1,86 @@
+"""The block format of a quantized layer, and the byte layout of its rows (no tensors, no torch).
+
+Interface
+    CodecSpec.of(q: QuantizePolicy) -> CodecSpec
+        frozen, hashable: how a block of ``group_size`` tokens is encoded (backend, bits, format,
+        clip) and laid out (key / value axis). Two layers whose ``CodecSpec`` are equal hold
+        interchangeable packed rows (``Quantize.can_adopt``); the residual rule and the attention
+        sinks are not part of it.
+    spec.policy(residual_length, sink_tokens) -> QuantizePolicy
+        the inverse of ``of``: the policy a layer of this format reports (its saved ``config``)
+    spec.has_offset                       False for fp8 (symmetric: no zero point is stored)
+    spec.layout(head_dim, axis, dtype_bytes) -> RowLayout
+    spec.row_bytes(head_dim, axis, dtype_bytes) -> int
+    row_layout(bits, has_offset, group_size, head_dim, axis, dtype_bytes) -> RowLayout
+    token_groups(head_dim, group_size) -> int
+
+Row layout (one block of one K or V head): ``[codes | pad | scale | offset]``. The codes of the
+block's ``G * D`` elements packed ``bits`` each; ``pad`` aligns the metadata to the model dtype;
+then one scale (and, with an offset, one offset) in the model dtype per group: per channel
+(``channel`` axis: ``D`` groups) or per run of ``D / n`` channels of each token (``token`` axis:
+``G * n`` groups, ``n = token_groups(D, G)``). This is the one statement of the layout:
+``tiercache.processors.blocks.BlockCodec`` packs rows by it and the planner
+(``tiercache.footprint``) counts bytes by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from tiercache.policy import QuantizePolicy
+
+
+def token_groups(head_dim: int, group_size: int) -> int:
+    """Groups per token for ``axis: token``: ``ceil(D / G)``, raised until it divides ``D``."""
+    n = -(-head_dim // min(group_size, head_dim))
+    while head_dim % n:
+        n += 1
+    return n
+
+
+class RowLayout(NamedTuple):
+    code_bytes: int  # packed codes, at the start of the row
+    meta_at: int  # where the scale starts (code_bytes rounded up to the dtype's size)
+    groups: int  # quantization groups per block: scales (and offsets) in the row
+    meta_bytes: int  # bytes of the scales (and as many of the offsets)
+    row_bytes: int  # the whole row
+
+
+def row_layout(bits: int, has_offset: bool, group_size: int, head_dim: int, axis: str, dtype_bytes: int) -> RowLayout:
+    """Where the parts of one packed block row lie (module docstring)."""
+    code_bytes = -(-group_size * head_dim * bits // 8)
+    meta_at = -(-code_bytes // dtype_bytes) * dtype_bytes
+    groups = head_dim if axis == "channel" else group_size * token_groups(head_dim, group_size)
+    meta_bytes = groups * dtype_bytes
+    return RowLayout(code_bytes, meta_at, groups, meta_bytes, meta_at + meta_bytes * (2 if has_offset else 1))
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    backend: str
+    bits: int
+    group_size: int
+    key_axis: str
+    value_axis: str
+    format: str
+    clip: str
+
+    @classmethod
+    def of(cls, q: QuantizePolicy) -> "CodecSpec":
+        return cls(q.backend, q.bits, q.group_size, q.key_axis, q.value_axis, q.format, q.clip)
+
+    def policy(self, residual_length: int, sink_tokens: int = 0) -> QuantizePolicy:
+        return QuantizePolicy(backend=self.backend, bits=self.bits, group_size=self.group_size,
+                              residual_length=residual_length, key_axis=self.key_axis, value_axis=self.value_axis,
+                              format=self.format, sink_tokens=sink_tokens, clip=self.clip)
+
+    @property
+    def has_offset(self) -> bool:
+        return self.format != "fp8"
+
+    def layout(self, head_dim: int, axis: str, dtype_bytes: int) -> RowLayout:
+        return row_layout(self.bits, self.has_offset, self.group_size, head_dim, axis, dtype_bytes)
+
+    def row_bytes(self, head_dim: int, axis: str, dtype_bytes: int) -> int:
+        return self.layout(head_dim, axis, dtype_bytes).row_bytes
