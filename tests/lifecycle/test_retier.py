@@ -73,6 +73,31 @@ def test_same_block_format_moves_packed_bytes_as_they_are():
             assert torch.equal(sd[key.replace("store.", "store.inner.")], value)  # the same bytes, now on the host
 
 
+def test_quantized_host_to_disk_moves_packed_rows_host_to_host(tmp_path, monkeypatch):
+    """int4 on the host -> int4 on disk: the packed rows go host copy to host copy (Offload.adopt),
+    never exported through the compute device, and stay the very bytes they were."""
+    from tiercache.processors.offload import Offload
+
+    model = models.build("llama")
+    ids, nxt = models.prompt(1, 30), models.prompt(1, 3, seed=4)
+    cache = filled(model, "int4-host", ids)
+    before = [{k: v.clone() for k, v in layer.state_dict().items() if k.startswith("store.")
+               and isinstance(v, torch.Tensor)} for layer in cache.layers]
+
+    def through_the_device(self):
+        raise AssertionError("the packed rows must not be exported through the compute device")
+
+    monkeypatch.setattr(Offload, "export", through_the_device)
+    cache.retier(policy("int4-disk", tmp_path))
+    monkeypatch.undo()
+    for layer, rows in zip(cache.layers, before):
+        assert set(layer.tier_nbytes()) == {"disk", "device"}
+        sd = layer.state_dict()
+        for key, value in rows.items():
+            assert torch.equal(sd[key], value)
+    ref = filled(model, policy("int4-disk", tmp_path / "ref"), ids)
+    assert torch.equal(next_logits(model, cache, nxt), next_logits(model, ref, nxt))
+
 def _snapshot(cache):
     return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in layer.state_dict().items()}
             for layer in cache.layers], cache.policy, list(cache.layers)

@@ -126,7 +126,7 @@ def _move(old, new, where: str) -> None:
     try:
         if old.record_past:  # first: a recording sliding layer ingests all it is given, not window - 1
             new.set_recording(True)
-        if new.can_adopt(old):  # the same block format: packed blocks move as they are
+        if new.can_adopt(old):  # the same block format (packed blocks move as they are), or host copy to host copy
             new.adopt(old)
         else:
             held = old.export()

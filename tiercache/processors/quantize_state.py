@@ -152,10 +152,13 @@ def adopt(q, other) -> None:
     if other.spec is None:
         q.reset()
         return
-    rows = other.store.export() if other.stored else None  # packed rows [B, H, N, row], blocks seen
+    host_to_host = other.stored and q.store.can_adopt(other.store)  # both offloaded: rows never reach the device
+    rows = other.store.export() if other.stored and not host_to_host else None  # packed rows [B, H, N, row], blocks seen
     q.reset()
     try:
-        if rows is not None:
+        if host_to_host:
+            q.store.adopt(other.store)
+        elif rows is not None:
             q.store.ingest(*rows)
         if len(other.residual):
             q.residual.replace(0, *other.residual.view())
