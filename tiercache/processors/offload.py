@@ -47,7 +47,9 @@ bit-identical to a resident layer.
 Write-back (``tiercache.processors.writeback``): on CUDA, for full storage in pinned host memory
 (``deferred``), the new tokens reach the host layer without a host sync and join it at the
 layer's next use at the latest: every use, host-side and lifecycle operation calls ``_settle``
-first; ``seq_length`` and ``mask_sizes`` count the staged tokens. Elsewhere it is synchronous.
+first; ``seq_length`` and ``mask_sizes`` count the staged tokens. Elsewhere it is synchronous,
+after the mirror is acquired. A write-back that failed refuses every use (``CacheError``) until
+``reset`` (which drops pending write-backs) or a replacing ``ingest`` / ``load_state_dict`` / ``adopt``.
 """
 
 from __future__ import annotations
@@ -106,14 +108,16 @@ class Offload(KVLayer):
         t = key.shape[2]  # shape, dtype, batch, device, room: checked once (layers/validate.py)
         self._settle()  # earlier write-backs join the host layer first (they may regrow it)
         defer = writeback.defers(self, key)
-        host_k, host_v = writeback.staging(key, value) if defer else writeback.to_host(key, value)  # [B, H, T, D] on the CPU
         self.device = key.device
         mirror = self.prefetcher.acquire(self, room=t)  # may raise CacheError (device memory): nothing changed
         self.prefetcher.reserve(mirror, key, value)  # likewise, before the host copy changes
         if defer:  # full storage: it will show every held token
-            writeback.write_back(self, key, value, host_k, host_v)
+            writeback.write_back(self, key, value, *writeback.staging(key, value))  # [B, H, T, D] pinned
             shown = mirror.held + t
         else:
+            # The host sync after acquire: the compute stream has waited for this layer's fetch, so
+            # the host copy (a sliding window slides down in place) never changes under its read.
+            host_k, host_v = writeback.to_host(key, value)  # [B, H, T, D] on the CPU
             out = self.inner.append(host_k, host_v)  # may still raise (disk full): the mirror holds the same tokens
             shown = out[0].shape[2]
         self.prefetcher.count_d2h(nbytes_of(key) + nbytes_of(value))
@@ -174,7 +178,8 @@ class Offload(KVLayer):
         return self.inner.record_past
 
     def reset(self) -> None:
-        self._release_mirror()
+        self.staged.clear()  # pending write-backs (or a failed one) are of no use: the layer empties
+        self.prefetcher.evict(self)
         self.inner.reset()
         self.device = None
 
@@ -214,7 +219,10 @@ class Offload(KVLayer):
         return self.inner.tier_nbytes()
 
     def batch_size(self) -> int | None:
-        return self.inner.batch_size()
+        batch = self.inner.batch_size()
+        if batch is None and self.staged:  # a staged first update counts (as in is_initialized)
+            batch = self.staged.pairs[0][0].shape[0]
+        return batch
 
     # -- lifecycle: the host copy is the state; the mirror is never part of it ------------------
     # Each method settles pending write-backs first: the host copy must hold every token before
@@ -230,10 +238,10 @@ class Offload(KVLayer):
         device = sd.get("device")
         if device is not None and not isinstance(device, str):
             raise CacheError(f"state of an offload layer: device should be a string or None, got {device!r}")
-        self._settle()
-        self.prefetcher.evict(self)
+        self._before_replace()
         self.device = None
         self.inner.load_state_dict(part(sd, "inner."))
+        self.staged.clear()
         self.device = None if device is None else torch.device(device)
 
     def export(self):
@@ -247,10 +255,10 @@ class Offload(KVLayer):
 
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
         check_pair(key, value)
-        self._settle()
-        self.prefetcher.evict(self)
+        self._before_replace()
         host_k, host_v = writeback.to_host(key, value) if key.shape[2] else (key.cpu(), value.cpu())
         self.inner.ingest(host_k, host_v, seen)
+        self.staged.clear()
         self.device = key.device
 
     def can_adopt(self, other: KVLayer) -> bool:
@@ -261,11 +269,12 @@ class Offload(KVLayer):
         policies: another tier, storage or prefetch depth), never through the compute device as
         ``ingest(*other.export())`` would go; the wrapped layer ingests it (its checks apply)."""
         held = other.host_export()
-        self._release_mirror()
+        self._before_replace()
         if held is None:
             self.reset()
             return
         self.inner.ingest(*held)
+        self.staged.clear()
         self.device = other.device
 
     def host_export(self):
@@ -292,4 +301,12 @@ class Offload(KVLayer):
 
     def _release_mirror(self) -> None:
         self._settle()
+        self.prefetcher.evict(self)  # waits for any fetch reading the host copy
+
+    def _before_replace(self) -> None:
+        """Before the host copy is replaced (``ingest``, ``load_state_dict``, ``adopt``): pending
+        write-backs join it, so a refused replacement leaves the layer as it was; a failed one
+        (``Staged.failed``) is not raised: the new state replaces the broken copy."""
+        if self.staged.failed is None:
+            self._settle()
         self.prefetcher.evict(self)  # waits for any fetch reading the host copy

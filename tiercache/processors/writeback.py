@@ -8,7 +8,7 @@ Interface (used by ``tiercache.processors.offload.Offload``; ``layer`` is the Of
     staged_tokens(layer) -> int                 tokens staged, not yet in the host layer
     settle(layer)                               join the landed write-backs to the host layer
     Staged(prefetcher, index)                   the layer's queue of staged write-backs (``layer.staged``):
-        push(host_k, host_v, done), len(), tokens(), settle(inner), clear()
+        push(host_k, host_v, done), len(), tokens(), settle(inner), clear(), failed
 The module reads the layer (``deferred``, ``prefetcher``, ``inner``, ``staged``) and changes
 only its ``Staged`` queue, through the queue's methods.
 
@@ -22,8 +22,10 @@ host-side or lifecycle operation, ``nbytes``): ``settle`` reads the event with `
 the whole host copy on the same side stream, so it is ordered after the write-back.
 ``seq_length`` and ``mask_sizes`` count the staged tokens. An error from the host tier (a CUDA
 error of the copy, the host buffer that cannot grow) raises ``CacheError`` naming the layer when
-it surfaces. Disk, sliding and static host layers copy synchronously (one event wait per
-update): their update reads or moves host memory at once.
+it surfaces, and at every later use of the layer until it is reset or its state replaced
+(``Staged.failed``). Disk, sliding and static host layers copy synchronously (one event wait per
+update, after the layer's mirror was acquired: the host copy changes only once its fetch has
+landed): their update reads or moves host memory at once.
 
 Every lifecycle operation of the layer settles first (``state_dict``, ``export``: fork, save,
 retier read every token; ``load_state_dict``, ``ingest``, ``evict`` replace or drop the host
@@ -86,12 +88,19 @@ def settle(layer) -> None:
 
 
 class Staged:
-    """One layer's write-backs not yet in its host layer: (keys, values, event), oldest first."""
+    """One layer's write-backs not yet in its host layer: (keys, values, event), oldest first.
+
+    A write-back that fails (a CUDA error of the copy; the host layer refusing the tokens: disk
+    full, a buffer that cannot grow) leaves the host copy without tokens the device copy had.
+    The queue then stays *failed*: every later ``settle`` raises the same ``CacheError`` (the
+    first one may surface where it is dropped: an optional fetch ahead of the layer's use), until
+    ``clear()`` (the layer is reset, replaced or closed)."""
 
     def __init__(self, prefetcher, index: int):
         self.prefetcher = prefetcher  # counts the waits (``count_host_wait``)
         self.index = index  # the model layer, for errors
         self.pairs: list[tuple[torch.Tensor, torch.Tensor, object]] = []  # [B, H, T, D] pinned, event
+        self.failed: str | None = None  # why the host copy lacks tokens (then every settle raises)
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -104,9 +113,12 @@ class Staged:
 
     def clear(self) -> None:
         self.pairs = []
+        self.failed = None
 
     def settle(self, inner) -> None:
         """Append the landed pairs to ``inner`` (the host layer), oldest first."""
+        if self.failed is not None:
+            raise CacheError(self.failed)
         while self.pairs:
             host_k, host_v, done = self.pairs[0]
             try:
@@ -114,14 +126,15 @@ class Staged:
                     self.prefetcher.count_host_wait()
                     done.synchronize()
             except RuntimeError as e:  # a CUDA error of the copy
-                self.pairs = []
-                raise CacheError(f"offload: the write-back of layer {self.index}'s new tokens to the host failed "
-                                 f"({e}); reset the cache") from e
+                self._fail(f"the write-back of layer {self.index}'s new tokens to the host failed ({e})", e)
             self.pairs.pop(0)
             try:
                 inner.append(host_k, host_v)
-            except CacheError as e:
-                self.pairs = []
-                raise CacheError(f"offload: layer {self.index}'s host copy could not take its new tokens ({e}); "
-                                 "its device copy has them, the host copy does not: reset the cache") from e
+            except (CacheError, RuntimeError) as e:  # disk full; torch.OutOfMemoryError is a RuntimeError
+                self._fail(f"layer {self.index}'s host copy could not take its new tokens ({e}); "
+                           "its device copy has them, the host copy does not", e)
 
+    def _fail(self, why: str, cause: BaseException):
+        self.pairs = []
+        self.failed = f"offload: {why}; reset the cache"
+        raise CacheError(self.failed) from cause
