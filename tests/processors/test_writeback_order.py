@@ -48,6 +48,7 @@ def test_a_failed_write_back_dropped_by_a_fetch_ahead_still_refuses_the_layer(de
     except CacheError:
         pass  # (refusing is allowed; any other error is not)
     del layer.inner.append
+    assert cache.nbytes()["cpu"] > 0  # bytes are still reported (what is held)
     for use in (lambda: cache.update(k, v, 1), lambda: layer.kv(), lambda: cache.fork()):
         with pytest.raises(CacheError, match="reset the cache"):
             use()  # never the layer without the lost tokens

@@ -211,11 +211,11 @@ class Offload(KVLayer):
         return bool(self.staged) or self.inner.is_initialized  # a staged first update counts
 
     def nbytes(self) -> dict[str, int]:
-        self._settle()
+        self._settle_bytes()
         return self.inner.nbytes()  # the device mirror is the prefetcher's (see module docstring)
 
     def tier_nbytes(self) -> dict[str, int]:
-        self._settle()
+        self._settle_bytes()
         return self.inner.tier_nbytes()
 
     def batch_size(self) -> int | None:
@@ -298,6 +298,12 @@ class Offload(KVLayer):
     # -- internals --------------------------------------------------------------------------
     def _settle(self) -> None:
         writeback.settle(self)
+
+    def _settle_bytes(self) -> None:
+        """Settle before counting bytes; a failed write-back is reported by the layer's use, not by
+        ``nbytes()`` (what is held is still what is counted)."""
+        if self.staged.failed is None:
+            self._settle()
 
     def _release_mirror(self) -> None:
         self._settle()
