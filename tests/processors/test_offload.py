@@ -132,8 +132,10 @@ def test_only_new_tokens_go_to_host(tmp_path):
         layer.update(*tokens(1, torch.float32))
     per_token = 2 * 2 * 1 * (4 + 6) * 4  # B * H * T * (Dk + Dv) * float32
     assert pf.bytes_d2h - d2h == LAYERS * per_token
-    # layers 1 and 2 (11 tokens) are fetched ahead, then layer 0 (12 tokens) for the next step
-    assert pf.bytes_h2d - h2d == (11 + 11 + 12) * per_token
+    # layers 1 and 2 (11 tokens) are fetched ahead, then layer 0 (12 tokens) for the next step, each
+    # as one flat span per tensor: the first B * H - 1 rows whole (capacity 256), the last one's held tokens
+    row = (4 + 6) * 4  # one token of one head row, K and V
+    assert pf.bytes_h2d - h2d == sum((2 * 2 - 1) * 256 + s for s in (11, 11, 12)) * row
 
 
 @pytest.mark.parametrize("prefetch", PREFETCH)

@@ -116,11 +116,12 @@ def test_offload_stats_count_the_bus_traffic():
             a, b = off.update(k, v, i), res.update(k, v, i)
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
             sent += 2 * k.numel() * 4
-    per_token = 2 * 2 * 8 * 4  # K and V, 2 heads of 8, float32
+    per_token = 2 * 8 * 4  # K and V, one head row of 8, float32
     stats = off.offload_stats()
     assert stats["bytes_d2h"] == sent
-    # prefetch 1 over 3 layers: layer 0 (10 tokens) while 2 is used, then 1 and 2, then 0 (11)
-    assert stats["bytes_h2d"] == (10 + 10 + 10 + 11) * per_token
+    # prefetch 1 over 3 layers: layer 0 (10 tokens) while 2 is used, then 1 and 2, then 0 (11);
+    # each fetch is one flat span per tensor: head 0's whole row of 256 (capacity) then head 1's held tokens
+    assert stats["bytes_h2d"] == sum(256 + s for s in (10, 10, 10, 11)) * per_token
     assert stats["fetches"] == 7 and stats["side_fetches"] == 0 and stats["host_waits"] == 0  # CPU: no stream
     assert res.offload_stats() == zeros
     off.close()

@@ -121,16 +121,19 @@ class Mirror:
         hk, hv, cap = p.k, p.v, p.cap
         b, h, s = hk.shape[:3]
         self.k, self.v = self.slot.views([(b, h, cap, hk.shape[3]), (b, h, cap, hv.shape[3])], hk.dtype)
+        moved = 0  # bytes that cross the bus: a flat span also carries the free slack between rows
         for dst, src in ((self.k, hk), (self.v, hv)):
             if p.flat:  # one contiguous span: rows of `cap` tokens, the last one cut at `s`
                 n = ((b * h - 1) * cap + s) * src.shape[3]
                 dst.view(-1)[:n].copy_(src.as_strided((n,), (1,)), non_blocking=True)
+                moved += n * src.element_size()
             else:
                 dst[:, :, :s].copy_(src, non_blocking=True)
+                moved += nbytes_of(src)
             if self.pad:
                 dst[:, :, s:].zero_()  # static: attention reads the masked tail; keep it finite
         self.lo, self.held = 0, s
-        return nbytes_of(hk) + nbytes_of(hv)
+        return moved
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[:, :, self.lo : self.lo + self.held], self.v[:, :, self.lo : self.lo + self.held]

@@ -35,7 +35,7 @@ At most ``depth + 1`` slots exist: the layer in use and the ones fetched ahead. 
 there is no stream or event; the copies are real, synchronous copies on the CPU.
 
 Counters (``stats()``; ``TieredCache.offload_stats()``): ``bytes_h2d`` (host -> device,
-fetches), ``bytes_d2h`` (new tokens written back), ``fetches`` and ``side_fetches`` (those
+fetches: the bytes copied, including the free slack between rows that a one-span copy carries), ``bytes_d2h`` (new tokens written back), ``fetches`` and ``side_fetches`` (those
 enqueued on a side stream), ``host_waits`` (times an offloaded layer had to block on a
 write-back that had not landed yet: 0 in steady decoding).
 """
