@@ -223,3 +223,28 @@ def test_record_past_is_transformers_assignable_attribute(policy):
             assert cache.layers[0].kv()[0].shape[2] == ref.layers[0].keys.shape[2] == 7  # trimmed to window - 1
         cache.activate_past_recording()  # still a method
         assert cache.is_recording_past(0)
+
+
+@pytest.mark.parametrize("kind", ["fp", "host", "int4", "int4-disk"])
+def test_a_closed_cache_is_empty_and_can_be_used_again(kind, tmp_path):
+    """``close()`` frees everything; the cache then behaves as a fresh one of its policy."""
+    from tiercache.model_spec import ModelSpec
+
+    q = {"bits": 4, "group_size": 4, "residual_length": 4}
+    policies = {"fp": {}, "host": {"offload": {"device": "cpu"}}, "int4": {"quantize": q},
+                "int4-disk": {"quantize": q, "offload": {"device": "disk", "path": str(tmp_path)}}}
+    spec = ModelSpec("closed", 2, ("full_attention",) * 2, kv_heads=2, head_dim=8, dtype="float32")
+    used = TieredCache.from_policy({"name": kind, **policies[kind]}, spec)
+    g = torch.Generator().manual_seed(0)
+    for i in range(2):
+        used.update(torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g), i)
+    used.close()
+    assert used.get_seq_length() == 0 and sum(used.nbytes().values()) == 0
+    fresh = TieredCache.from_policy({"name": kind, **policies[kind]}, spec)
+    for t in (9, 1, 1):
+        for i in range(2):
+            k, v = torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g)
+            a, b = used.update(k, v, i), fresh.update(k, v, i)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert used.get_seq_length() == fresh.get_seq_length() == 11
+    used.close(), fresh.close()

@@ -217,7 +217,8 @@ class TieredCache(Cache):
         return self._layer(layer_idx).record_past and layer_idx not in self._reuse
 
     def close(self) -> None:
-        """Release every buffer and file now (also done when the cache is garbage-collected)."""
+        """Release every buffer and file now (also done when the cache is garbage-collected). The cache
+        is then empty and may be used again, as after ``reset`` (it allocates anew)."""
         self._each(lambda layer: layer.close())
         if self._shared is not None:
             self._shared.close()
