@@ -74,24 +74,27 @@ def load_state_dict(q, sd: dict) -> None:
 
 @torch.no_grad()
 def export(q, parts: int = 8):
-    """Blocks decoded a few runs at a time (the decoder's temporaries stay a fraction of the
-    layer), then the residual: fresh ``[B, H, S, D]`` tensors on the compute device."""
+    """Every held token, oldest first: the sinks (exact), the blocks decoded a few runs at a time
+    (the decoder's temporaries stay a fraction of the layer), then the residual: fresh
+    ``[B, H, S, D]`` tensors on the compute device."""
     q.finite.settle()
     if q.spec is None:
         return None
     s, g = q.spec, q.g
     rows = q.store.export()[:2] if q.stored else None  # the store's protocol: no fetch to a device mirror
     n = 0 if rows is None else rows[0].shape[2]
-    held = len(q.residual)
-    outs = [torch.empty((s.batch, s.heads, n * g + held, d), dtype=s.dtype, device=s.device)
+    held, sinks = len(q.residual), len(q.sinks)  # the sinks (the first tokens seen, exact) come first
+    outs = [torch.empty((s.batch, s.heads, sinks + n * g + held, d), dtype=s.dtype, device=s.device)
             for d in (s.key_dim, s.value_dim)]  # [B, H, S, D]
     step = max(1, -(-n // parts))
     for i, out in enumerate(outs):
+        if sinks:
+            out.narrow(2, 0, sinks).copy_(q.sinks.view()[i])
         for at in range(0, n, step):
             m = min(step, n - at)
-            q.codecs[i].decode(rows[i].narrow(2, at, m).to(s.device), out.narrow(2, at * g, m * g))
+            q.codecs[i].decode(rows[i].narrow(2, at, m).to(s.device), out.narrow(2, sinks + at * g, m * g))
         if held:
-            out.narrow(2, n * g, held).copy_(q.residual.view()[i])
+            out.narrow(2, sinks + n * g, held).copy_(q.residual.view()[i])
     return outs[0], outs[1], q.seen
 
 
