@@ -181,3 +181,28 @@ def test_the_plan_matches_a_cache_after_retier_load_or_fork(name, how, monkeypat
     # for a moved cache the plan is an upper bound of them; every tier's held bytes still match
     p = _check(policy, config, monkeypatch, cache=cache, exact_mirrors=False)
     assert p.context_length == PREFILL + STEPS
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("prompt,steps", [(300, 0), (300, 20), (600, 5), (20, 300)])
+def test_offloaded_sliding_layers_planned_after_a_long_prompt(family, prompt, steps):
+    """Offloaded sliding layers given a prompt longer than their window's mirror: the device
+    mirrors stay at what the plan counts (a long update is answered in fresh tensors)."""
+    import models
+
+    model = models.build(family)
+    pol = {"name": "offload-sliding", "offload": {"device": "cpu"},
+           "overrides": [{"layer_type": "sliding_attention", "offload": {"device": "cpu"}}]}
+    cache = tiercache.TieredCache.from_policy(pol, model.config)
+    ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        for i in range(steps):
+            model(ids[:, i % prompt : i % prompt + 1], past_key_values=cache)
+    p = plan(pol, model.config, batch_size=1, context_length=cache.get_seq_length(), device="cpu")
+    assert all(layer.policy.offload is not None for layer in cache.layers)
+    held = sum(cache.shared_nbytes().values())
+    # every layer sliding: exact; mixed with full layers, the plan counts the largest mirrors together
+    assert (p.mirrors == held if family == "mistral" else p.mirrors >= held) and held > 0
+    assert p.bytes["host"] == cache.tier_nbytes()["host"]
+    cache.close()

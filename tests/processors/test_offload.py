@@ -232,3 +232,20 @@ def test_adopt_moves_the_host_copy_host_to_host(src, src_device, dst, dst_device
     empty, _, _ = build("full", "cpu", 1, tmp_path, layers=1)
     new[0].adopt(empty[0])  # an empty source: the layer is emptied
     assert new[0].kv() is None and new[0].seq_length() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_long_sliding_update_does_not_grow_the_mirror(prefetch, device, tmp_path):
+    """A prompt longer than a window's mirror (300 tokens, window 5) is answered in fresh tensors,
+    exactly as a resident sliding layer answers it; the mirror keeps only the window, so the
+    device slots stay at the size the planner counts (``steady_capacity``), however long the prompt."""
+    off, ref, pf = build("sliding", device, prefetch, tmp_path)
+    pair, gen = Pair(off, ref, "sliding"), torch.Generator().manual_seed(9)
+    for t in (300, 1, 1, 280, 2, 1, 300):
+        pair.step(t, torch.float32, 2, gen)
+        window_bytes = 2 * 2 * 256 * (4 + 6) * 4  # B * H * capacity_for(window) * (Dk + Dv) * float32
+        assert max(slot.nbytes() for slot in pf.slots) <= window_bytes  # never the prompt's 512 tokens
+    pair.op("set_recording", True)  # recording keeps every token: then the mirror does grow
+    pair.step(300, torch.float32, 2, gen)
+    pair.op("crop", 200)

@@ -21,6 +21,10 @@ mirror between calls; it offers the prefetcher ``host_kv()`` and ``pad`` to fetc
 dtype works (the packed uint8 blocks of ``Quantize`` cross the bus compressed), and keys and
 values may differ in head dim.
 
+A sliding host layer (not recording) given more tokens at once than a window's mirror holds (a
+long prompt) answers them in fresh tensors, as a resident sliding layer does, and its mirror keeps
+only the window: device slots never grow to the prompt's length (they never shrink).
+
 ``peek()`` (and ``keys`` / ``values``) bypass the mirror and the prefetcher: they copy the host
 copy to the compute device, so reading them never evicts the slot another layer is using.
 
@@ -59,6 +63,7 @@ import dataclasses
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.layers.capacity import capacity_for
 from tiercache.layers.base import KVLayer
 from tiercache.layers.spec import KVSpec, check_pair
 from tiercache.layers.state import expect, nest, part
@@ -109,6 +114,8 @@ class Offload(KVLayer):
         self._settle()  # earlier write-backs join the host layer first (they may regrow it)
         defer = writeback.defers(self, key)
         self.device = key.device
+        if self._long_sliding(t):
+            return self._append_long(key, value)
         mirror = self.prefetcher.acquire(self, room=t)  # may raise CacheError (device memory): nothing changed
         self.prefetcher.reserve(mirror, key, value)  # likewise, before the host copy changes
         if defer:  # full storage: it will show every held token
@@ -129,6 +136,36 @@ class Offload(KVLayer):
         if self.owned_outputs:
             return result[0].clone(), result[1].clone()
         return result
+
+    def _long_sliding(self, t: int) -> bool:
+        """A sliding host layer (not recording) given more tokens than a window's mirror holds
+        (a long prompt): its mirror is not grown for them (slots never shrink)."""
+        inner = self.inner
+        if not inner.is_sliding or inner.record_past or t <= 1:
+            return False
+        held = inner.kv()
+        return (0 if held is None else held[0].shape[2]) + t > capacity_for(inner.window)
+
+    def _append_long(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As a resident sliding layer's long update: the answer (held + new) in fresh tensors,
+        the mirror then holds only what the host layer keeps (its window), in its own room."""
+        mirror = self.prefetcher.acquire(self, room=1)  # may raise CacheError (device memory): nothing changed
+        held_k, held_v = mirror.kv() if mirror.k is not None else (key[:, :, :0], value[:, :, :0])
+        k, v = torch.cat([held_k, key], dim=2), torch.cat([held_v, value], dim=2)  # [B, H, held + T, D], fresh
+        room = min(k.shape[2], self.inner.window - 1)
+        try:
+            mirror.keep(0)  # its tokens are in k / v now; the window is written back below
+            self.prefetcher.reserve(mirror, k[:, :, :room], v[:, :, :room])
+            out = self.inner.append(*writeback.to_host(key, value))  # may raise (disk full)
+        except CacheError:
+            self.prefetcher.evict(self)  # the host copy is as it was; the next use fetches it again
+            raise
+        self.prefetcher.count_d2h(nbytes_of(key) + nbytes_of(value))
+        kept = self.inner.kv()
+        n = 0 if kept is None else kept[0].shape[2]
+        mirror.append(k[:, :, k.shape[2] - n:], v[:, :, v.shape[2] - n:])
+        shown = out[0].shape[2]
+        return k[:, :, k.shape[2] - shown:], v[:, :, v.shape[2] - shown:]
 
     def layout(self):
         """The host layer's layout on the compute device (a staged first write-back counts)."""
