@@ -299,8 +299,9 @@ class Quantize(KVLayer):
         self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
 
     def _codecs(self, spec: KVSpec) -> tuple[BlockCodec, BlockCodec]:
-        return tuple(BlockCodec(self.backend, self.g, d, axis, spec.dtype)
-                     for d, axis in ((spec.key_dim, self.config.key_axis), (spec.value_dim, self.config.value_axis)))
+        return tuple(BlockCodec(backends.for_tensor(self.backend, which), self.g, d, axis, spec.dtype)
+                     for which, d, axis in (("keys", spec.key_dim, self.config.key_axis),
+                                            ("values", spec.value_dim, self.config.value_axis)))
 
     def _held_blocks(self):
         if not self.stored:
