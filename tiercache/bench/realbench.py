@@ -57,6 +57,7 @@ SETUPS.update({
     "int2 +16 sinks +clipV": ("int2, 16 sinks, clipping on values", {**S2, "sink_tokens": 16, "clip": "mse-values"}),
     "int2 +sinks +clip +V/channel": ("int2, 4 sinks, clipping search, values per channel",
                                      {**S2, "clip": "mse", "value_axis": "channel"}),
+    "int2-mixed +clipV": ("int2-mixed with the clipping search on values only", "smollm2-135m/int2-mixed-values.yaml"),
     "int2 +sinks +clipV +V/channel": ("int2, 4 sinks, clipping on values, values per channel",
                                       {**S2, "clip": "mse-values", "value_axis": "channel"}),
 })
