@@ -4,12 +4,15 @@ policies and transformers' caches in the same run.
     python bench/bench_real.py                          # the demo size (make demo-real): ~10 min on 2 cores
     python bench/bench_real.py --tokens 256 --contexts 1024,2048,4096,7168 --depths 0.1,0.3,0.5,0.7,0.9
     python bench/bench_real.py --sensitivity            # per-layer int2 cost -> configs/<model>/int2-mixed.yaml
+    python bench/bench_real.py --texts-per-kind 8 --tokens 256 --greedy-tokens 0 --contexts ""   # perplexity, 16 texts
 
 Per setup (``tiercache.bench.realbench``): KV bytes, decode tokens/s (teacher-forced steps),
 perplexity on held-out stdlib code and prose after a ``--prompt``-token prefill (``--tokens``
 scored per text, one token per step, so every prediction reads the cache as kept), top-1 and
 greedy agreement with full precision, and pass-key retrieval at several context lengths and
-depths. Group 64, residual 128, keys per channel, values per token for every quantized setup.
+depths. ``--texts-per-kind N``: N held-out texts of each kind, each setup's perplexity increase
+given as the mean over texts with a 90% bootstrap interval (one text is far too noisy to judge a
+fraction of a percent). Group 64, residual 128, keys per channel, values per token for every quantized setup.
 Writes ``real.md``, ``real.json``, ``real.png`` under ``--out``. Timings share the CPU with
 whatever else runs: compare tokens/s within one run only.
 """
@@ -45,6 +48,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=1024, help="prefill tokens before the scored text")
     p.add_argument("--tokens", type=int, default=128, help="teacher-forced tokens scored per text")
     p.add_argument("--texts", default="code,prose")
+    p.add_argument("--texts-per-kind", type=int, default=1,
+                   help="held-out texts of each kind, decoded as one batch: mean delta and 90%% bootstrap interval over them")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the model, every cache and the texts)")
     p.add_argument("--greedy-tokens", type=int, default=16)
     p.add_argument("--contexts", type=_ints, default=[1024, 4096, 6144], help="retrieval context lengths ('' for none)")
     p.add_argument("--depths", type=_floats, default=[0.3, 0.7])
@@ -59,7 +65,7 @@ def main(argv=None) -> int:
     from tiercache.bench.tiny import ModelLoadError, load_model
 
     try:
-        model, tok = load_model(args.model)
+        model, tok = load_model(args.model, device=args.device)
     except ModelLoadError as e:
         print(f"bench_real: error: {e}", file=sys.stderr)
         return 1
@@ -68,8 +74,9 @@ def main(argv=None) -> int:
     names = [n.strip() for n in args.setups.split(",") if n.strip()]
     rows, meta = realbench.run(model, tok, names, args.prompt, args.tokens, [k for k in args.texts.split(",") if k],
                                args.greedy_tokens, args.contexts, args.depths, retrieval_names=None if
-                               args.retrieval_setups is None else args.retrieval_setups.split(","))
-    meta.update(model=args.model, device="cpu", dtype="float32", torch=torch.__version__,
+                               args.retrieval_setups is None else args.retrieval_setups.split(","),
+                               texts_per_kind=args.texts_per_kind)
+    meta.update(model=args.model, device=str(model.device), dtype="float32", torch=torch.__version__,
                 python=platform.python_version(), cpu=platform.processor() or platform.machine(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     paths = real_report.write(rows, meta, args.out)

@@ -73,7 +73,8 @@ class QuantizePolicy:
     value_axis: Literal["channel", "token"] = "token"
     format: Literal["int", "fp8"] = "int"
     sink_tokens: int = 0  # the first tokens seen stay in full precision (attention sinks); full-attention layers
-    clip: Literal["minmax", "mse"] = "minmax"  # per-group range: min/max, or searched for least squared error
+    clip: Literal["minmax", "mse", "mse-values", "mse-keys"] = "minmax"  # per-group range: min/max, or searched for
+    # least squared error (mse: keys and values; mse-values / mse-keys: that tensor only, the other min/max)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ POLICIES = {
     "int4": {"quantize": Q},
     "int2-token": {"quantize": {**Q, "bits": 2, "key_axis": "token"}},
     "int2-sinks-clip": {"quantize": {**Q, "bits": 2, "sink_tokens": 3, "clip": "mse"}},
+    "int2-sinks-clip-values": {"quantize": {**Q, "bits": 2, "sink_tokens": 3, "clip": "mse-values"}},
     "hqq": {"quantize": {**Q, "backend": "hqq"}},
     "int4-host": {"quantize": Q, "offload": {"device": "cpu"}},
     "int4-disk": {"quantize": Q, "offload": {"device": "disk"}},

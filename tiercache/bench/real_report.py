@@ -1,7 +1,8 @@
 """Tables and plot of the real-model benchmark (``realbench``): markdown, JSON, PNG.
 
 Interface
-- ``markdown(rows, meta) -> str``: the main table, then retrieval per context length.
+- ``markdown(rows, meta) -> str``: the main table, then retrieval per context length. With several
+  texts per kind, each perplexity cell reads ``ppl (mean Δ [90% interval])``.
 - ``write(rows, meta, out_dir) -> {"md", "json", "png"}``: writes ``real.md``, ``real.json`` and
   ``real.png`` (perplexity increase vs KV bytes; retrieval accuracy per setup).
 """
@@ -20,6 +21,15 @@ def _mib(n) -> str:
     return "" if n is None else f"{n / 2**20:.2f}"
 
 
+def _ppl(row: dict, kind: str) -> str:
+    """``ppl (Δ)``; with several texts, ``Δ`` is their mean and its 90% bootstrap interval follows."""
+    if kind not in row["ppl"]:
+        return ""
+    sp = row.get("ppl_spread", {}).get(kind)
+    interval = f" [{_pct(sp['lo'])}, {_pct(sp['hi'])}]" if sp and len(sp["per_text"]) > 1 else ""
+    return f"{row['ppl'][kind]:.3f} ({_pct(row['ppl_delta'][kind])}{interval})"
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     kinds = meta["texts"]
     ref = rows[0]
@@ -29,7 +39,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     for r in rows:
         cells = [r["name"], _mib(r.get("bytes")), f"{r['bytes'] / ref['bytes']:.3f}" if r.get("bytes") else "",
                  f"{r['tok_s']:.1f}" if r.get("tok_s") else ""]
-        cells += [f"{r['ppl'][k]:.3f} ({_pct(r['ppl_delta'][k])})" if k in r["ppl"] else "" for k in kinds]
+        cells += [_ppl(r, k) for k in kinds]
         top1 = [r["top1"][k] for k in kinds if k in r["top1"]]
         cells.append(f"{sum(top1) / len(top1):.3f}" if top1 else "")
         cells.append(f"{r['greedy']:.3f}" if "greedy" in r else "")

@@ -8,10 +8,12 @@ Interface
   token everywhere, as transformers' QuantizedCache is configured.
 - ``run(model, tok, names, prompt, tokens, kinds, greedy_tokens, contexts, depths, log, retrieval_names=None)
   -> (rows, meta)``: (retrieval for ``retrieval_names`` only, when given, and the reference)
-  every measurement of every setup. Prompts are prefilled once and fed to each setup's cache
-  (``seeded``); rows hold ``bytes`` (after ``prompt + tokens`` tokens of the first text), ``tok_s``
-  (teacher-forced decode steps per second, all texts), ``ppl`` / ``ppl_delta`` per text kind
-  (relative to the ``DynamicCache`` row), ``top1`` (agreement of teacher-forced argmax with it),
+  every measurement of every setup. ``texts_per_kind`` held-out texts of each kind
+  (``multitext.windows``) are prefilled once and fed to each setup's cache (``seeded``), then
+  decoded as one batch; rows hold ``bytes`` (per text, after ``prompt + tokens`` tokens), ``tok_s``
+  (teacher-forced batched decode steps per second), ``ppl`` (over all texts of a kind) and
+  ``ppl_delta`` (the mean over texts of each text's perplexity increase over the ``DynamicCache``
+  row) per text kind, ``ppl_spread`` (``multitext.spread``: per-text deltas, 90% bootstrap interval), ``top1`` (agreement of teacher-forced argmax with it),
   ``greedy`` (agreement of ``greedy_tokens`` free-running greedy tokens), ``retrieval``
   {context: found / asked} and ``retrieval_acc``.
 """
@@ -22,7 +24,7 @@ import time
 
 import torch
 
-from tiercache.bench import forced, quality, retrieval, seeded, setups, texts
+from tiercache.bench import forced, multitext, quality, retrieval, seeded, setups
 
 K = {"backend": "native", "group_size": 64, "residual_length": 128, "key_axis": "channel", "value_axis": "token"}
 SETUPS = {
@@ -36,16 +38,34 @@ SETUPS = {
     "int2 +clip": ("int2, clipping search alone", {**K, "bits": 2, "clip": "mse"}),
     "int2 +sinks": ("int2, 4 sink tokens exact", {**K, "bits": 2, "sink_tokens": 4}),
     "int2 +sinks +clip": ("int2, 4 sinks, clipping search", {**K, "bits": 2, "sink_tokens": 4, "clip": "mse"}),
-    "int2 +sinks +clip +V/channel": ("int2, 4 sinks, clipping search, values per channel",
-                                     {**K, "bits": 2, "sink_tokens": 4, "clip": "mse", "value_axis": "channel"}),
     "int2-mixed": ("int2 sinks+clip, the 4 most sensitive layers int4", "smollm2-135m/int2-mixed.yaml"),
 }
-DEFAULT = tuple(n for n in SETUPS if n != "int2 +sinks +clip +V/channel")  # that one: an ablation on request
+DEFAULT = tuple(SETUPS)
+# ablations, run on request (--setups): one technique changed at a time
+S4, S2 = {**K, "bits": 4, "sink_tokens": 4}, {**K, "bits": 2, "sink_tokens": 4}
+SETUPS.update({
+    "int4 +sinks +clipV": ("int4, 4 sinks, clipping search on values only", {**S4, "clip": "mse-values"}),
+    "int4 +sinks +clipK": ("int4, 4 sinks, clipping search on keys only", {**S4, "clip": "mse-keys"}),
+    "int4 K/token +sinks": ("int4, 4 sinks, keys per token", {**S4, "key_axis": "token"}),
+    "int4 K/token +sinks +clipV": ("int4, 4 sinks, keys per token, clipping on values",
+                                   {**S4, "key_axis": "token", "clip": "mse-values"}),
+    "int4 +16 sinks +clipV": ("int4, 16 sinks, clipping on values", {**S4, "sink_tokens": 16, "clip": "mse-values"}),
+    "int2 +sinks +clipV": ("int2, 4 sinks, clipping search on values only", {**S2, "clip": "mse-values"}),
+    "int2 +sinks +clipK": ("int2, 4 sinks, clipping search on keys only", {**S2, "clip": "mse-keys"}),
+    "int2 +8 sinks": ("int2, 8 sinks", {**S2, "sink_tokens": 8}),
+    "int2 +16 sinks": ("int2, 16 sinks", {**S2, "sink_tokens": 16}),
+    "int2 +16 sinks +clipV": ("int2, 16 sinks, clipping on values", {**S2, "sink_tokens": 16, "clip": "mse-values"}),
+    "int2 +sinks +clip +V/channel": ("int2, 4 sinks, clipping search, values per channel",
+                                     {**S2, "clip": "mse", "value_axis": "channel"}),
+    "int2-mixed +clipV": ("int2-mixed with the clipping search on values only", "smollm2-135m/int2-mixed-values.yaml"),
+    "int2 +sinks +clipV +V/channel": ("int2, 4 sinks, clipping on values, values per channel",
+                                      {**S2, "clip": "mse-values", "value_axis": "channel"}),
+})
 
 
-def _factory(spec, config):
+def _factory(spec, config, device="cpu"):
     if isinstance(spec, str) and spec in setups.BASELINES:
-        return setups.baseline_setups([spec], config, "cpu")[0].make
+        return setups.baseline_setups([spec], config, str(device))[0].make
     from tiercache import TieredCache, load_policy
 
     policy = load_policy(str(setups.REPO_CONFIGS / spec) if isinstance(spec, str) else {"name": "inline", "quantize": spec})
@@ -58,7 +78,7 @@ def _close(cache) -> None:
 
 
 def run(model, tok, names, prompt: int, tokens: int, kinds, greedy_tokens: int, contexts, depths, log=print,
-        retrieval_names=None):
+        retrieval_names=None, texts_per_kind: int = 1):
     start = time.perf_counter()
     unknown = [n for n in names if n not in SETUPS]
     if unknown:
@@ -69,29 +89,33 @@ def run(model, tok, names, prompt: int, tokens: int, kinds, greedy_tokens: int, 
     for n in missing:
         log(f"skipped {n}: {setups.REPO_CONFIGS / SETUPS[n][1]} not found")
     names = [n for n in names if n not in missing]
-    make = {n: _factory(SETUPS[n][1], model.config) for n in names}
+    make = {n: _factory(SETUPS[n][1], model.config, model.device) for n in names}
     rows = {n: {"name": n, "what": SETUPS[n][0], "ppl": {}, "ppl_delta": {}, "top1": {}, "seconds": 0.0,
-                "steps": 0, "retrieval": {}} for n in names}
+                "steps": 0, "retrieval": {}, "ppl_spread": {}} for n in names}
     for kind in kinds:
-        ids = texts.token_ids(tok, kind, prompt + tokens)  # [P + M]
-        pre = seeded.prefill(model, ids[:prompt])
+        ids = multitext.windows(tok, kind, texts_per_kind, prompt + tokens)  # [N, P + M]
+        pre = multitext.prefill(model, ids[:, :prompt])
         ref = None
         for n in names:
             cache = seeded.seed(make[n](), pre)
-            f = forced.teacher_forced(model, cache, pre, ids[prompt:])
+            f = multitext.teacher_forced(model, cache, pre, ids[:, prompt:])
             row = rows[n]
             if "bytes" not in row:
-                row["bytes"] = sum(setups.cache_nbytes(cache).values())
+                row["bytes"] = sum(setups.cache_nbytes(cache).values()) // texts_per_kind  # one text's
             _close(cache)
             ref = f if ref is None else ref
+            sp = multitext.spread(f.nll, ref.nll)
             row["ppl"][kind] = quality.perplexity(f.nll)
-            row["ppl_delta"][kind] = row["ppl"][kind] / quality.perplexity(ref.nll) - 1
-            row["top1"][kind] = quality.agreement(f.top1, ref.top1)
+            row["ppl_delta"][kind] = sp["mean"]
+            row["ppl_spread"][kind] = sp
+            row["top1"][kind] = quality.agreement(f.top1.flatten(), ref.top1.flatten())
             row["seconds"] += f.seconds
             row["steps"] += f.steps
-            log(f"{kind:5s} {n:28s} ppl {row['ppl'][kind]:.3f} ({100 * row['ppl_delta'][kind]:+.2f}%) "
-                f"{f.tok_s:.1f} tok/s")
+            log(f"{kind:5s} {n:28s} ppl {row['ppl'][kind]:.3f} ({100 * sp['mean']:+.2f}%, 90% "
+                f"[{100 * sp['lo']:+.2f}, {100 * sp['hi']:+.2f}], per text "
+                + " ".join(f"{100 * d:+.1f}" for d in sp["per_text"]) + f") {f.tok_s:.1f} steps/s")
         if greedy_tokens and kind == kinds[0]:
+            pre = seeded.prefill(model, ids[0, :prompt])  # the first text alone
             ref_tokens = None
             for n in names:
                 cache = seeded.seed(make[n](), pre)
@@ -115,7 +139,7 @@ def run(model, tok, names, prompt: int, tokens: int, kinds, greedy_tokens: int, 
         got = sum(g for g, _ in row["retrieval"].values())
         asked = sum(a for _, a in row["retrieval"].values())
         row["retrieval_acc"] = got / asked if asked else None
-    meta = {"prompt": prompt, "tokens": tokens, "texts": list(kinds), "greedy_tokens": greedy_tokens,
+    meta = {"prompt": prompt, "tokens": tokens, "texts": list(kinds), "texts_per_kind": texts_per_kind, "greedy_tokens": greedy_tokens,
             "contexts": list(contexts), "depths": list(depths), "threads": torch.get_num_threads(),
             "seconds": round(time.perf_counter() - start, 1)}
     return list(rows.values()), meta

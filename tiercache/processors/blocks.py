@@ -104,8 +104,9 @@ class Codec:
 
     def for_kv(self, key_dim: int, value_dim: int, dtype: torch.dtype) -> tuple["BlockCodec", "BlockCodec"]:
         """Fresh codecs for the keys and the values (each remembers the views it last decoded)."""
-        return (BlockCodec(self.backend, self.group_size, key_dim, self.spec.key_axis, dtype),
-                BlockCodec(self.backend, self.group_size, value_dim, self.spec.value_axis, dtype))
+        return (BlockCodec(backends.for_tensor(self.backend, "keys"), self.group_size, key_dim, self.spec.key_axis, dtype),
+                BlockCodec(backends.for_tensor(self.backend, "values"), self.group_size, value_dim, self.spec.value_axis,
+                           dtype))
 
     def row_bytes(self, head_dim: int, axis: str, dtype_bytes: int) -> int:
         return self.spec.row_bytes(head_dim, axis, dtype_bytes)

@@ -1,10 +1,13 @@
 """Clipping search (``clip: mse``): never worse than min/max on the measured error, per group and
-after the packed round trip; better where outliers stretch a group; only for native integers."""
+after the packed round trip; better where outliers stretch a group; only for native integers.
+Per tensor (``mse-values`` / ``mse-keys``): that tensor's blocks are exactly ``mse``'s, the other's
+exactly min/max's, in a layer fed through the cache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 import tiercache
 from tiercache.errors import PolicyError
@@ -61,10 +64,43 @@ def test_packed_round_trip_never_worse(kind, bits, axis):
 def test_clip_is_a_native_integer_option():
     ok = tiercache.Policy.from_dict({"quantize": {"bits": 2, "clip": "mse"}})
     assert ok.quantize.clip == "mse"
-    with pytest.raises(PolicyError, match=r"policy.quantize.clip: 'best' is not allowed; allowed: 'minmax' \| 'mse'"):
+    with pytest.raises(PolicyError, match=r"policy.quantize.clip: 'best' is not allowed; allowed: 'minmax' \| 'mse' \| 'mse-values' \| 'mse-keys'"):
         tiercache.Policy.from_dict({"quantize": {"clip": "best"}})
     with pytest.raises(PolicyError, match=r"policy.quantize.clip: 'mse' is a native integer-format option"):
         tiercache.Policy.from_dict({"quantize": {"bits": 8, "format": "fp8", "clip": "mse"}})
     with pytest.raises(PolicyError, match=r"policy.overrides\[0\].quantize.clip"):
         tiercache.Policy.from_dict({"quantize": {"bits": 4}, "overrides": [
             {"layers": [0], "quantize": {"backend": "quanto", "clip": "mse"}}]})
+
+
+def _layer_outputs(clip: str, bits: int = 2):
+    """K/V a one-layer cache returns for a decode step after 3 flushed blocks (group 16)."""
+    cache = tiercache.TieredCache.from_policy(
+        {"quantize": {"bits": bits, "group_size": 16, "residual_length": 16, "sink_tokens": 2, "clip": clip}},
+        LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, hidden_size=32))
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(1, 2, 60, 16, generator=g), torch.randn(1, 2, 60, 16, generator=g)  # [B, H, T, D]
+    k[..., 3] *= 20  # an outlier channel
+    cache.update(k, v, 0)
+    keys, values = cache.update(k[:, :, :1], v[:, :, :1], 0)
+    return k, v, keys[:, :, :60].clone(), values[:, :, :60].clone()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_per_tensor_clip_is_min_max_on_the_other_tensor(bits):
+    k, v, k_mm, v_mm = _layer_outputs("minmax", bits)
+    _, _, k_all, v_all = _layer_outputs("mse", bits)
+    _, _, k_val, v_val = _layer_outputs("mse-values", bits)
+    _, _, k_key, v_key = _layer_outputs("mse-keys", bits)
+    assert torch.equal(k_val, k_mm) and torch.equal(v_val, v_all)  # keys min/max, values searched
+    assert torch.equal(k_key, k_all) and torch.equal(v_key, v_mm)  # keys searched, values min/max
+    assert (v_val - v).square().sum() <= (v_mm - v).square().sum() * (1 + 1e-6)
+    assert (k_key - k).square().sum() <= (k_mm - k).square().sum() * (1 + 1e-6)
+    assert not torch.equal(v_val, v_mm)  # the search changed something at these bits
+
+
+def test_for_tensor_resolves_the_clip_per_tensor():
+    base = backends.get(QuantizePolicy(bits=2, clip="mse-values"))
+    assert backends.for_tensor(base, "keys").clip == "minmax" and backends.for_tensor(base, "values").clip == "mse"
+    both = backends.get(QuantizePolicy(bits=2, clip="mse"))
+    assert backends.for_tensor(both, "keys") is both and backends.for_tensor(both, "values") is both

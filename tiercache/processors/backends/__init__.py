@@ -5,6 +5,8 @@ Registry
     validate(config, where)     ``PolicyError`` when the backend cannot do what the policy asks
                                 (bits, format) or its package is missing; imports no heavy package
     get(config) -> Backend      the backend object for a ``QuantizePolicy``
+    for_tensor(backend, which)  the backend for ``"keys"`` / ``"values"`` (a backend's optional
+                                ``for_tensor`` hook, e.g. native's per-tensor ``clip``; else itself)
 
 Backend interface (what ``tiercache.processors.blocks`` uses)
     bits: int                   bits per stored code (8 for fp8)
@@ -63,3 +65,9 @@ def get(config):
     """The backend object for ``config`` (validated first, so errors name the backend)."""
     validate(config, "quantize")
     return _module(config.backend).make(config)
+
+
+def for_tensor(backend, which: str):
+    """``backend`` specialised for ``"keys"`` or ``"values"`` (an optional hook; default: itself)."""
+    hook = getattr(backend, "for_tensor", None)
+    return backend if hook is None else hook(which)

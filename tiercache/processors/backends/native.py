@@ -4,7 +4,8 @@ Integer formats (``bits`` 2, 4, 8): asymmetric min-max per group, ``scale = (max
 (2**bits - 1)``, ``offset = min``, codes ``round((x - offset) / scale)`` in ``[0, 2**bits)``.
 Scale and offset are rounded to the model dtype *before* the codes are computed, so the codes
 fit the stored metadata exactly. ``clip: mse`` chooses each group's range by a search for the
-least squared error instead (``backends/clip.py``; never worse than min/max). ``format: fp8`` (``bits: 8``): e4m3 codes with a symmetric
+least squared error instead (``backends/clip.py``; never worse than min/max); ``mse-values`` /
+``mse-keys`` search for that tensor only (``for_tensor``), the other keeping min/max. ``format: fp8`` (``bits: 8``): e4m3 codes with a symmetric
 per-group scale ``absmax / 448`` and no offset.
 """
 
@@ -45,6 +46,11 @@ class Native:
         self.has_offset = not fp8
         if fp8:
             self.code_dtype = torch.float8_e4m3fn
+
+    def for_tensor(self, which: str) -> "Native":
+        """The backend for ``"keys"`` or ``"values"``: ``clip`` resolved to ``mse`` or ``minmax``."""
+        clip = "mse" if self.clip in ("mse", f"mse-{which}") else "minmax"
+        return self if clip == self.clip else Native(self.bits, self.fp8, clip)
 
     def quantize(self, x: torch.Tensor, dim: int):
         if self.fp8:
