@@ -32,6 +32,9 @@ SCRIPTS = [
                                    "--depths", "0.5", "--greedy-tokens", "2", "--threads", "1",
                                    "--setups", "DynamicCache,int2 +sinks +clip,QuantizedCache quanto int2"],
                  ["| int2 +sinks +clip |", "| QuantizedCache quanto int2 |", "Pass-key retrieval"], id="real"),
+    pytest.param("bench_retrieval.py", ["--model", "tiny", "--contexts", "400", "--samples", "2", "--format", "kv",
+                                        "--setups", "DynamicCache,int2-sinks", "--out", "out"],
+                 ["| DynamicCache | ", "| int2-sinks | ", "Δ vs full precision", "[2/2] "], id="retrieval"),
 ]
 
 

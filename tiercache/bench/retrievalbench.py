@@ -1,0 +1,116 @@
+"""Retrieval accuracy per cache setup against full precision, many samples per context length.
+
+Interface
+- ``SETUPS``: name -> a transformers baseline name (``setups.BASELINES``), a YAML file under
+  ``configs/`` or an inline ``quantize`` mapping; ``DEFAULT``: the names run by default.
+- ``run(model, tok, names, contexts, count, fmt="passkey", chat=False, seed=0, log=print, on_sample=None)
+  -> list[dict]``: ``count`` samples per context length (depths ``retrieval.spread(count)``);
+  each sample is prefilled once (``seeded``) and fed to every setup's cache, which then reads
+  the question and decodes. One record per sample: ``context`` (the length asked), ``length``
+  (the tokens it has, at most that), ``depth``, ``key``, ``found``
+  {setup: bool}, ``answers`` {setup: text}; ``on_sample(records)`` after each (to save progress).
+- ``table(records, names) -> list[dict]``: per setup ``by_length`` {context: (found, asked)},
+  ``found``, ``asked``, ``acc`` and ``delta`` (accuracy minus full precision's, in points).
+- ``markdown(records, names, meta) -> str``: that table, full precision first.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tiercache.bench import retrieval, seeded, setups
+
+REF = "DynamicCache"
+_K = {"backend": "native", "group_size": 64, "residual_length": 128, "key_axis": "channel", "value_axis": "token"}
+SETUPS = {
+    REF: "dynamic",
+    "QuantizedCache quanto int4": "quanto-int4",
+    "QuantizedCache quanto int2": "quanto-int2",
+    "int4-kivi": "int4-kivi.yaml",
+    "int4-sinks": "int4-sinks.yaml",
+    "int2 min/max": {**_K, "bits": 2},
+    "int2-kivi": "int2-kivi.yaml",
+    "int2-sinks": "int2-sinks.yaml",
+    "int2 +sinks +clip": {**_K, "bits": 2, "sink_tokens": 4, "clip": "mse"},
+    "int2-mixed": "smollm2-135m/int2-mixed.yaml",
+}
+DEFAULT = tuple(SETUPS)
+
+
+def _factory(spec, config):
+    if isinstance(spec, str) and spec in setups.BASELINES:
+        return setups.baseline_setups([spec], config, "cpu")[0].make
+    from tiercache import TieredCache, load_policy
+
+    policy = load_policy(str(setups.REPO_CONFIGS / spec) if isinstance(spec, str) else {"name": "inline", "quantize": spec})
+    return lambda: TieredCache.from_policy(policy, config)
+
+
+def _names(names) -> list[str]:
+    unknown = [n for n in names if n not in SETUPS]
+    if unknown:
+        raise ValueError(f"unknown setup {unknown}; allowed: {', '.join(SETUPS)}")
+    return [REF, *[n for n in names if n != REF]]  # the reference first
+
+
+def run(model, tok, names, contexts, count: int, fmt: str = "passkey", chat: bool = False, seed: int = 0,
+        log=print, on_sample=None) -> list[dict]:
+    names = _names(names)
+    make = {n: _factory(SETUPS[n], model.config) for n in names}
+    records = []
+    todo = retrieval.samples(tok, contexts, retrieval.spread(count), seed=seed, fmt=fmt, chat=chat)
+    for i, sample in enumerate(todo):
+        start = time.perf_counter()
+        pre = seeded.prefill(model, sample.context)
+        rec = {"context": sample.target, "length": sample.length, "depth": sample.depth, "key": sample.key,
+               "found": {}, "answers": {}}
+        for n in names:
+            cache = seeded.seed(make[n](), pre)
+            text = retrieval.answer(model, cache, sample, tok)
+            if callable(getattr(cache, "close", None)):
+                cache.close()
+            rec["answers"][n], rec["found"][n] = text, retrieval.found(text, sample.key)
+        records.append(rec)
+        log(f"[{i + 1}/{len(todo)}] {sample.length} tokens, depth {sample.depth:.2f}, key {sample.key}: "
+            f"full precision {rec['answers'][REF]!r}; found by "
+            f"{', '.join(n for n in names if rec['found'][n]) or 'none'} ({time.perf_counter() - start:.0f} s)")
+        if on_sample is not None:
+            on_sample(records)
+    return records
+
+
+def table(records: list[dict], names) -> list[dict]:
+    rows = []
+    for n in names:
+        by: dict[int, tuple[int, int]] = {}
+        for r in records:
+            if n in r["found"]:
+                got, asked = by.get(r["context"], (0, 0))
+                by[r["context"]] = (got + bool(r["found"][n]), asked + 1)
+        got, asked = sum(g for g, _ in by.values()), sum(a for _, a in by.values())
+        rows.append({"name": n, "by_length": dict(sorted(by.items())), "found": got, "asked": asked,
+                     "acc": got / asked if asked else None})
+    ref = next((r["acc"] for r in rows if r["name"] == REF), None)
+    for r in rows:
+        r["delta"] = None if r["acc"] is None or ref is None else 100 * (r["acc"] - ref)
+    return rows
+
+
+def _cell(got: int, asked: int) -> str:
+    return f"{got}/{asked} ({100 * got / asked:.0f}%)" if asked else ""
+
+
+def markdown(records: list[dict], names, meta: dict) -> str:
+    rows = table(records, _names(names))
+    lengths = sorted({r["context"] for r in records})
+    head = ["setup", *[f"{n} tokens" for n in lengths], "all", "Δ vs full precision (points)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["name"], *[_cell(*r["by_length"].get(n, (0, 0))) for n in lengths], _cell(r["found"], r["asked"]),
+                 "" if r["delta"] is None else f"{r['delta']:+.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    per = {n: sum(1 for r in records if r["context"] == n) for n in lengths}
+    note = (f"Format {meta.get('format', 'passkey')!r}{' (chat template)' if meta.get('chat') else ''}, found / asked; "
+            f"samples per context length: {', '.join(f'{n}: {k}' for n, k in per.items())} (depths 0.1-0.9, one key "
+            f"each; a context holds up to that many tokens, question included).")
+    return note + "\n\n" + "\n".join(lines)
