@@ -122,3 +122,15 @@ def test_table_counts_per_context_and_points_against_full_precision():
     text = retrievalbench.markdown(records, ["int2-kivi"], {"format": "passkey"})
     assert "| DynamicCache | 2/2 (100%) | 1/2 (50%) | 3/4 (75%) | +0.0 |" in text
     assert "| int2-kivi | 1/2 (50%) | 1/2 (50%) | 2/4 (50%) | -25.0 |" in text
+
+
+@pytest.mark.parametrize("text", [" 60494.", " 6 0 4 9 4 is", "\n12345\nThe", " 123,", "The key 42 is"])
+def test_decoding_stops_only_when_more_tokens_cannot_change_the_verdict(text):
+    assert retrieval._settled(text)
+    for more in ("", "7", " 7", "99999", " no"):
+        assert retrieval.extract(text + more) == retrieval.extract(text)
+
+
+@pytest.mark.parametrize("text", [" 6049", " 6 0 4", "a magical key", " 60494 ", ""])
+def test_decoding_goes_on_while_the_number_may_grow(text):
+    assert not retrieval._settled(text)

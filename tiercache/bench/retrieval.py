@@ -13,7 +13,9 @@ Interface
   asks the same samples.
 - ``spread(count) -> list[float]``: ``count`` depths evenly from 0.1 to 0.9 (0.5 for one).
 - ``answer(model, cache, sample, tokenizer, max_new=8) -> str``: with ``cache`` already holding the context
-  (``tiercache.bench.seeded.seed``), feeds the question as one update, then decodes greedily.
+  (``tiercache.bench.seeded.seed``), feeds the question as one update, then decodes greedily, up
+  to ``max_new`` tokens, stopping once the answer's first number has ended (a later token could
+  not change the verdict; on a CPU each step of each setup costs).
 - ``extract(text) -> str``: the first number in the answer (digits, spaces between them
   ignored); ``found(text, key) -> bool``: that number is the key.
 
@@ -123,11 +125,18 @@ def answer(model, cache, sample: Sample, tokenizer, max_new: int = 8) -> str:
     x = sample.question.to(model.device)[None]  # [1, Q]
     logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1]  # [1, V]
     out = []
-    for _ in range(max_new):
+    for step in range(max_new):
         nxt = logits.argmax(-1, keepdim=True)  # [1, 1]
         out.append(int(nxt))
+        if step + 1 == max_new or _settled(decode(tokenizer, out)):
+            break
         logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
     return decode(tokenizer, out)
+
+
+def _settled(text: str) -> bool:
+    """The answer's first number has ended: more tokens cannot change ``extract``."""
+    return re.search(r"\d(?:\s*\d)*\s*[^\d\s]", text) is not None
 
 
 def extract(text: str) -> str:
