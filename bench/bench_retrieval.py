@@ -10,7 +10,8 @@ run with the same ``--seed``); each sample's context is prefilled once and fed t
 cache with the model's own ``update`` calls, then the question is read through that cache in its
 own update and 8 tokens are decoded greedily; found = the first number of the answer is the key.
 Writes ``retrieval.md`` and ``retrieval.json`` under ``--out`` after every sample (a run cut
-short keeps what it measured). Setups: ``tiercache.bench.retrievalbench.SETUPS``.
+short keeps what it measured; ``--resume`` goes on from it). Depths are asked spread out
+(0.1, 0.9, 0.5, ...), so a run cut short still covers the whole range. Setups: ``tiercache.bench.retrievalbench.SETUPS``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="out/retrieval")
+    p.add_argument("--resume", action="store_true", help="keep the samples already in --out's retrieval.json")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge the retrieval.json of earlier runs, run nothing")
     args = p.parse_args(argv)
     if args.merge:
@@ -90,10 +92,17 @@ def main(argv=None) -> int:
             "contexts": args.contexts, "seed": args.seed, "threads": args.threads, "dtype": "float32",
             "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = Path(args.out)
+    done = []
+    if args.resume and (out / "retrieval.json").is_file():
+        earlier = json.loads((out / "retrieval.json").read_text())
+        same = all(earlier["meta"].get(k) == meta[k] for k in ("model", "format", "chat", "seed"))
+        done = earlier["records"] if same else []
+        print(f"resuming: {len(done)} samples from {out / 'retrieval.json'}" if same else
+              f"not resuming: {out / 'retrieval.json'} was another model, format or seed", flush=True)
     start = time.perf_counter()
     records = retrievalbench.run(model, tok, names, args.contexts, args.samples, args.format, args.chat, args.seed,
                                  log=lambda m: print(m, flush=True),
-                                 on_sample=lambda recs: _write(recs, names, meta, out))
+                                 on_sample=lambda recs: _write(recs, names, meta, out), done=done)
     meta["seconds"] = round(time.perf_counter() - start, 1)
     text = _write(records, names, meta, out)
     print()

@@ -107,8 +107,19 @@ def test_run_answers_as_prefilling_context_and_question_through_one_cache():
             model(input_ids=s.context[None], past_key_values=cache, use_cache=True)
         assert rec["answers"]["DynamicCache"] == retrieval.answer(model, cache, s, tok)
         assert all(rec["found"][n] == retrieval.found(rec["answers"][n], s.key) for n in rec["found"])
+    seen.clear()
+    again = retrievalbench.run(model, tok, names, [400], 2, fmt="kv", log=lambda *_: None, on_sample=seen.append,
+                               done=records[1:])  # resume: only the missing sample is asked
+    assert len(seen) == 1 and sorted(r["key"] for r in again) == sorted(r["key"] for r in records)
+    assert [r["answers"] for r in again if r["key"] == records[0]["key"]] == [records[0]["answers"]]
     with pytest.raises(ValueError, match="unknown setup"):
         retrievalbench.run(model, tok, ["nope"], [400], 1)
+
+
+def test_depths_are_asked_spread_out():
+    order = retrievalbench.spread_order(10)
+    assert sorted(order) == list(range(10)) and order[:3] == [0, 9, 4]
+    assert retrievalbench.spread_order(1) == [0] and retrievalbench.spread_order(2) == [0, 1]
 
 
 def test_table_counts_per_context_and_points_against_full_precision():
@@ -120,8 +131,9 @@ def test_table_counts_per_context_and_points_against_full_precision():
     assert rows["DynamicCache"]["by_length"] == {1024: (2, 2), 4096: (1, 2)} and rows["DynamicCache"]["acc"] == 0.75
     assert rows["int2-kivi"]["acc"] == 0.5 and rows["int2-kivi"]["delta"] == pytest.approx(-25.0)
     text = retrievalbench.markdown(records, ["int2-kivi"], {"format": "passkey"})
-    assert "| DynamicCache | 2/2 (100%) | 1/2 (50%) | 3/4 (75%) | +0.0 |" in text
-    assert "| int2-kivi | 1/2 (50%) | 1/2 (50%) | 2/4 (50%) | -25.0 |" in text
+    assert rows["int2-kivi"]["kept"] == (2, 3) and rows["DynamicCache"]["kept"] == (3, 3)
+    assert "| DynamicCache | 2/2 (100%) | 1/2 (50%) | 3/4 (75%) | +0.0 | 3/3 (100%) |" in text
+    assert "| int2-kivi | 1/2 (50%) | 1/2 (50%) | 2/4 (50%) | -25.0 | 2/3 (67%) |" in text
 
 
 @pytest.mark.parametrize("text", [" 60494.", " 6 0 4 9 4 is", "\n12345\nThe", " 123,", "The key 42 is"])

@@ -3,14 +3,17 @@
 Interface
 - ``SETUPS``: name -> a transformers baseline name (``setups.BASELINES``), a YAML file under
   ``configs/`` or an inline ``quantize`` mapping; ``DEFAULT``: the names run by default.
-- ``run(model, tok, names, contexts, count, fmt="passkey", chat=False, seed=0, log=print, on_sample=None)
-  -> list[dict]``: ``count`` samples per context length (depths ``retrieval.spread(count)``);
+- ``run(model, tok, names, contexts, count, fmt="passkey", chat=False, seed=0, log=print, on_sample=None, done=())
+  -> list[dict]``: ``count`` samples per context length (depths ``retrieval.spread(count)``, asked
+  in ``spread_order``, so a run cut short still covers 0.1-0.9); records in ``done`` (an earlier
+  run's, for every setup asked) are kept and their samples not asked again (resume);
   each sample is prefilled once (``seeded``) and fed to every setup's cache, which then reads
   the question and decodes. One record per sample: ``context`` (the length asked), ``length``
   (the tokens it has, at most that), ``depth``, ``key``, ``found``
   {setup: bool}, ``answers`` {setup: text}; ``on_sample(records)`` after each (to save progress).
 - ``table(records, names) -> list[dict]``: per setup ``by_length`` {context: (found, asked)},
-  ``found``, ``asked``, ``acc`` and ``delta`` (accuracy minus full precision's, in points).
+  ``found``, ``asked``, ``acc``, ``delta`` (accuracy minus full precision's, in points) and
+  ``kept`` (found, of the samples full precision found).
 - ``markdown(records, names, meta) -> str``: that table, full precision first.
 """
 
@@ -53,12 +56,25 @@ def _names(names) -> list[str]:
     return [REF, *[n for n in names if n != REF]]  # the reference first
 
 
+def spread_order(count: int) -> list[int]:
+    """Indices 0..count-1, each next one farthest from those taken (0, the last, the middle, ...):
+    a run cut short has still asked depths across the whole range."""
+    taken = [0]
+    while len(taken) < count:
+        taken.append(max((i for i in range(count) if i not in taken), key=lambda i: min(abs(i - j) for j in taken)))
+    return taken[:count]
+
+
 def run(model, tok, names, contexts, count: int, fmt: str = "passkey", chat: bool = False, seed: int = 0,
-        log=print, on_sample=None) -> list[dict]:
+        log=print, on_sample=None, done=()) -> list[dict]:
     names = _names(names)
     make = {n: _factory(SETUPS[n], model.config) for n in names}
-    records = []
-    todo = retrieval.samples(tok, contexts, retrieval.spread(count), seed=seed, fmt=fmt, chat=chat)
+    depths = retrieval.spread(count)
+    depths = [depths[i] for i in spread_order(count)]
+    records = [r for r in done if set(names) <= set(r["found"])]
+    have = {(r["context"], r["depth"], r["key"]) for r in records}
+    todo = [s for s in retrieval.samples(tok, contexts, depths, seed=seed, fmt=fmt, chat=chat)
+            if (s.target, s.depth, s.key) not in have]
     for i, sample in enumerate(todo):
         start = time.perf_counter()
         pre = seeded.prefill(model, sample.context)
@@ -93,6 +109,8 @@ def table(records: list[dict], names) -> list[dict]:
     ref = next((r["acc"] for r in rows if r["name"] == REF), None)
     for r in rows:
         r["delta"] = None if r["acc"] is None or ref is None else 100 * (r["acc"] - ref)
+        hits = [x for x in records if x["found"].get(REF) and r["name"] in x["found"]]
+        r["kept"] = (sum(bool(x["found"][r["name"]]) for x in hits), len(hits))
     return rows
 
 
@@ -103,11 +121,12 @@ def _cell(got: int, asked: int) -> str:
 def markdown(records: list[dict], names, meta: dict) -> str:
     rows = table(records, _names(names))
     lengths = sorted({r["context"] for r in records})
-    head = ["setup", *[f"{n} tokens" for n in lengths], "all", "Δ vs full precision (points)"]
+    head = ["setup", *[f"{n} tokens" for n in lengths], "all", "Δ vs full precision (points)",
+            "of full precision's hits"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["name"], *[_cell(*r["by_length"].get(n, (0, 0))) for n in lengths], _cell(r["found"], r["asked"]),
-                 "" if r["delta"] is None else f"{r['delta']:+.1f}"]
+                 "" if r["delta"] is None else f"{r['delta']:+.1f}", _cell(*r["kept"])]
         lines.append("| " + " | ".join(cells) + " |")
     per = {n: sum(1 for r in records if r["context"] == n) for n in lengths}
     note = (f"Format {meta.get('format', 'passkey')!r}{' (chat template)' if meta.get('chat') else ''}, found / asked; "
