@@ -11,7 +11,9 @@ cache with the model's own ``update`` calls, then the question is read through t
 own update and 8 tokens are decoded greedily; found = the first number of the answer is the key.
 Writes ``retrieval.md`` and ``retrieval.json`` under ``--out`` after every sample (a run cut
 short keeps what it measured; ``--resume`` goes on from it). Depths are asked spread out
-(0.1, 0.9, 0.5, ...), so a run cut short still covers the whole range. Setups: ``tiercache.bench.retrievalbench.SETUPS``.
+(0.1, 0.9, 0.5, ...), so a run cut short still covers the whole range; a second process on the
+same length with ``--reverse`` (another ``--out``) starts from the other end, and ``--merge``
+counts a sample both asked once. Setups: ``tiercache.bench.retrievalbench.SETUPS``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _merge(paths, out: Path) -> int:
     records, names, meta = [], [], {}
     for p in paths:
         data = json.loads(Path(p).read_text())
-        records += data["records"]
+        records = retrievalbench.unique(records + data["records"])  # a sample two runs both asked counts once
         names += [n for n in data["names"] if n not in names]
         meta = meta or data["meta"]
     meta = {**meta, "merged": [str(p) for p in paths]}
@@ -69,6 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="out/retrieval")
     p.add_argument("--resume", action="store_true", help="keep the samples already in --out's retrieval.json")
+    p.add_argument("--reverse", action="store_true", help="ask the depths in the reverse order (a second process)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge the retrieval.json of earlier runs, run nothing")
     args = p.parse_args(argv)
     if args.merge:
@@ -102,7 +105,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     records = retrievalbench.run(model, tok, names, args.contexts, args.samples, args.format, args.chat, args.seed,
                                  log=lambda m: print(m, flush=True),
-                                 on_sample=lambda recs: _write(recs, names, meta, out), done=done)
+                                 on_sample=lambda recs: _write(recs, names, meta, out), done=done,
+                                 reverse=args.reverse)
     meta["seconds"] = round(time.perf_counter() - start, 1)
     text = _write(records, names, meta, out)
     print()

@@ -116,6 +116,12 @@ def test_run_answers_as_prefilling_context_and_question_through_one_cache():
         retrievalbench.run(model, tok, ["nope"], [400], 1)
 
 
+def test_unique_keeps_one_record_per_sample():
+    a = {"context": 1024, "depth": 0.1, "key": "12345", "found": {"DynamicCache": True}}
+    b = {**a, "depth": 0.9}
+    assert retrievalbench.unique([a, b, dict(a, found={})]) == [a, b]
+
+
 def test_depths_are_asked_spread_out():
     order = retrievalbench.spread_order(10)
     assert sorted(order) == list(range(10)) and order[:3] == [0, 9, 4]

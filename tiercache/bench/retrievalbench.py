@@ -6,11 +6,13 @@ Interface
 - ``run(model, tok, names, contexts, count, fmt="passkey", chat=False, seed=0, log=print, on_sample=None, done=())
   -> list[dict]``: ``count`` samples per context length (depths ``retrieval.spread(count)``, asked
   in ``spread_order``, so a run cut short still covers 0.1-0.9); records in ``done`` (an earlier
-  run's, for every setup asked) are kept and their samples not asked again (resume);
+  run's, for every setup asked) are kept and their samples not asked again (resume); ``reverse``
+  asks that order backwards (a second process on the same length meets the first in the middle);
   each sample is prefilled once (``seeded``) and fed to every setup's cache, which then reads
   the question and decodes. One record per sample: ``context`` (the length asked), ``length``
   (the tokens it has, at most that), ``depth``, ``key``, ``found``
   {setup: bool}, ``answers`` {setup: text}; ``on_sample(records)`` after each (to save progress).
+- ``unique(records) -> list[dict]``: one record per sample (context, depth, key), the first kept.
 - ``table(records, names) -> list[dict]``: per setup ``by_length`` {context: (found, asked)},
   ``found``, ``asked``, ``acc``, ``delta`` (accuracy minus full precision's, in points) and
   ``kept`` (found, of the samples full precision found).
@@ -66,11 +68,11 @@ def spread_order(count: int) -> list[int]:
 
 
 def run(model, tok, names, contexts, count: int, fmt: str = "passkey", chat: bool = False, seed: int = 0,
-        log=print, on_sample=None, done=()) -> list[dict]:
+        log=print, on_sample=None, done=(), reverse: bool = False) -> list[dict]:
     names = _names(names)
     make = {n: _factory(SETUPS[n], model.config) for n in names}
     depths = retrieval.spread(count)
-    depths = [depths[i] for i in spread_order(count)]
+    depths = [depths[i] for i in spread_order(count)][:: -1 if reverse else 1]
     records = [r for r in done if set(names) <= set(r["found"])]
     have = {(r["context"], r["depth"], r["key"]) for r in records}
     todo = [s for s in retrieval.samples(tok, contexts, depths, seed=seed, fmt=fmt, chat=chat)
@@ -93,6 +95,15 @@ def run(model, tok, names, contexts, count: int, fmt: str = "passkey", chat: boo
         if on_sample is not None:
             on_sample(records)
     return records
+
+
+def unique(records: list[dict]) -> list[dict]:
+    seen, out = set(), []
+    for r in records:
+        if (r["context"], r["depth"], r["key"]) not in seen:
+            seen.add((r["context"], r["depth"], r["key"]))
+            out.append(r)
+    return out
 
 
 def table(records: list[dict], names) -> list[dict]:
