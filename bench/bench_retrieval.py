@@ -50,7 +50,12 @@ def _write(records, names, meta, out: Path) -> str:
 def _merge(paths, out: Path) -> int:
     records, names, meta = [], [], {}
     for p in paths:
-        data = json.loads(Path(p).read_text())
+        try:
+            data = json.loads(Path(p).read_text())
+            data["records"], data["names"], data["meta"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"bench_retrieval: error: --merge {p}: not a retrieval.json of this benchmark ({e})", file=sys.stderr)
+            return 2
         records = retrievalbench.unique(records + data["records"])  # a sample two runs both asked counts once
         names += [n for n in data["names"] if n not in names]
         meta = meta or data["meta"]
