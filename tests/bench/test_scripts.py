@@ -34,6 +34,9 @@ SCRIPTS = [
                                    "--setups", "DynamicCache,int2 +sinks +clip,QuantizedCache quanto int2"],
                  ["| int2 +sinks +clip |", "| QuantizedCache quanto int2 |", "Pass-key retrieval", "% [+0.00%, +0.00%])"],
                  id="real"),
+    pytest.param("bench_retrieval.py", ["--model", "tiny", "--contexts", "400", "--samples", "2", "--format", "kv",
+                                        "--setups", "DynamicCache,int2-sinks", "--out", "out"],
+                 ["| DynamicCache | ", "| int2-sinks | ", "Δ vs full precision", "[2/2] "], id="retrieval"),
 ]
 
 
