@@ -63,13 +63,12 @@ import dataclasses
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.layers.capacity import capacity_for
 from tiercache.layers.base import KVLayer
 from tiercache.layers.spec import KVSpec, check_pair
 from tiercache.layers.state import expect, nest, part
 from tiercache.policy import OffloadPolicy
 from tiercache.processors import writeback
-from tiercache.processors.mirror import nbytes_of, row_stride
+from tiercache.processors.mirror import mirror_capacity, nbytes_of, row_stride
 from tiercache.processors.prefetch import Prefetcher
 from tiercache.tiers import HostTier
 
@@ -144,7 +143,7 @@ class Offload(KVLayer):
         if not inner.is_sliding or inner.record_past or t <= 1:
             return False
         held = inner.kv()
-        return (0 if held is None else held[0].shape[2]) + t > capacity_for(inner.window)
+        return (0 if held is None else held[0].shape[2]) + t > mirror_capacity(inner.window)
 
     def _append_long(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As a resident sliding layer's long update: the answer (held + new) in fresh tensors,
@@ -170,8 +169,9 @@ class Offload(KVLayer):
     def layout(self):
         """The host layer's layout on the compute device (a staged first write-back counts)."""
         spec = self.inner.layout()
-        if spec is None and self.staged:
-            spec = KVSpec.read(*self.staged.pairs[0][:2])
+        first = self.staged.first()
+        if spec is None and first is not None:
+            spec = KVSpec.read(*first)
         return None if spec is None else dataclasses.replace(spec, device=self.device)
 
     def seq_length(self) -> int:
@@ -248,17 +248,18 @@ class Offload(KVLayer):
         return bool(self.staged) or self.inner.is_initialized  # a staged first update counts
 
     def nbytes(self) -> dict[str, int]:
-        self._settle_bytes()
+        self._settle_unless_failed()
         return self.inner.nbytes()  # the device mirror is the prefetcher's (see module docstring)
 
     def tier_nbytes(self) -> dict[str, int]:
-        self._settle_bytes()
+        self._settle_unless_failed()
         return self.inner.tier_nbytes()
 
     def batch_size(self) -> int | None:
         batch = self.inner.batch_size()
-        if batch is None and self.staged:  # a staged first update counts (as in is_initialized)
-            batch = self.staged.pairs[0][0].shape[0]
+        first = self.staged.first()
+        if batch is None and first is not None:  # a staged first update counts (as in is_initialized)
+            batch = first[0].shape[0]
         return batch
 
     # -- lifecycle: the host copy is the state; the mirror is never part of it ------------------
@@ -336,9 +337,9 @@ class Offload(KVLayer):
     def _settle(self) -> None:
         writeback.settle(self)
 
-    def _settle_bytes(self) -> None:
-        """Settle before counting bytes; a failed write-back is reported by the layer's use, not by
-        ``nbytes()`` (what is held is still what is counted)."""
+    def _settle_unless_failed(self) -> None:
+        """Settle, unless a write-back already failed: then ``nbytes()`` still counts what is held
+        (the failure is reported by the layer's use), and a replacing state may take its place."""
         if self.staged.failed is None:
             self._settle()
 
@@ -350,6 +351,5 @@ class Offload(KVLayer):
         """Before the host copy is replaced (``ingest``, ``load_state_dict``, ``adopt``): pending
         write-backs join it, so a refused replacement leaves the layer as it was; a failed one
         (``Staged.failed``) is not raised: the new state replaces the broken copy."""
-        if self.staged.failed is None:
-            self._settle()
+        self._settle_unless_failed()
         self.prefetcher.evict(self)  # waits for any fetch reading the host copy

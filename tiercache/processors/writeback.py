@@ -8,7 +8,7 @@ Interface (used by ``tiercache.processors.offload.Offload``; ``layer`` is the Of
     staged_tokens(layer) -> int                 tokens staged, not yet in the host layer
     settle(layer)                               join the landed write-backs to the host layer
     Staged(prefetcher, index)                   the layer's queue of staged write-backs (``layer.staged``):
-        push(host_k, host_v, done), len(), tokens(), settle(inner), clear(), failed
+        push(host_k, host_v, done), len(), tokens(), first(), settle(inner), clear(), failed
 The module reads the layer (``deferred``, ``prefetcher``, ``inner``, ``staged``) and changes
 only its ``Staged`` queue, through the queue's methods.
 
@@ -110,6 +110,10 @@ class Staged:
 
     def tokens(self) -> int:
         return sum(k.shape[2] for k, _, _ in self.pairs)
+
+    def first(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The oldest staged keys and values ``[B, H, T, D]`` (what a first update looked like), or None."""
+        return self.pairs[0][:2] if self.pairs else None
 
     def clear(self) -> None:
         self.pairs = []
