@@ -4,6 +4,8 @@ policies and transformers' caches in the same run.
     python bench/bench_real.py                          # the demo size (make demo-real): ~10 min on 2 cores
     python bench/bench_real.py --tokens 256 --contexts 1024,2048,4096,7168 --depths 0.1,0.3,0.5,0.7,0.9
     python bench/bench_real.py --sensitivity            # per-layer int2 cost -> configs/<model>/int2-mixed.yaml
+    python bench/bench_real.py --upgrade-search --upgrade 8 --texts-per-kind 4   # keys/values of which layers to give int4
+                                                        # -> configs/<model>/int2-keys.yaml
     python bench/bench_real.py --texts-per-kind 8 --tokens 256 --greedy-tokens 0 --contexts ""   # perplexity, 16 texts
 
 Per setup (``tiercache.bench.realbench``): KV bytes, decode tokens/s (teacher-forced steps),
@@ -30,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tiercache
 
-from tiercache.bench import builtin, real_report, realbench, seeded, sensitivity, texts  # noqa: E402
+from tiercache.bench import builtin, multitext, real_report, realbench, seeded, sensitivity, texts  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
@@ -58,7 +60,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="out/real")
     p.add_argument("--sensitivity", action="store_true", help="measure per-layer cost and write configs/<model>/int2-mixed.yaml")
-    p.add_argument("--upgrade", type=int, default=4, help="--sensitivity: layers kept at int4")
+    p.add_argument("--upgrade", type=int, default=4, help="--sensitivity: layers kept at int4; --upgrade-search: "
+                   "(layer, keys or values) pairs given int4")
+    p.add_argument("--config-out", default=None, help="--sensitivity / --upgrade-search: where to write the config "
+                   "(default configs/<model>/int2-mixed.yaml / int2-keys.yaml)")
+    p.add_argument("--upgrade-search", action="store_true", help="per layer, what int4 keys (or values) buy over "
+                   "int2 + sinks everywhere, on train text; writes configs/<model>/int2-keys.yaml")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -71,6 +78,8 @@ def main(argv=None) -> int:
         return 1
     if args.sensitivity:
         return _sensitivity(model, tok, args)
+    if args.upgrade_search:
+        return _upgrade_search(model, tok, args)
     names = [n.strip() for n in args.setups.split(",") if n.strip()]
     rows, meta = realbench.run(model, tok, names, args.prompt, args.tokens, [k for k in args.texts.split(",") if k],
                                args.greedy_tokens, args.contexts, args.depths, retrieval_names=None if
@@ -99,12 +108,55 @@ def _sensitivity(model, tok, args) -> int:
                                f"cost the most perplexity on {args.model} (bench/bench_real.py --sensitivity) at int4")
     import yaml
 
-    out = Path(__file__).resolve().parents[1] / "configs" / args.model / "int2-mixed.yaml"
+    out = _config_out(args, "int2-mixed.yaml")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(policy, sort_keys=False))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "sensitivity.json").write_text(json.dumps({"model": args.model, "costs": costs}, indent=1))
     print(f"wrote {out}: layers {policy.get('overrides', [{}])[0].get('layers')} at int4")
+    return 0
+
+
+def _config_out(args, name: str) -> Path:
+    if args.config_out is not None:
+        return Path(args.config_out)
+    return Path(__file__).resolve().parents[1] / "configs" / args.model / name
+
+
+def _upgrade_search(model, tok, args) -> int:
+    """int2 + 4 sinks on every layer; for each layer, int4 keys (or values) there alone: the gain,
+    scored in one pass (``sensitivity.one_pass_nll``) on ``--texts-per-kind`` train texts of each kind."""
+    base = {**realbench.K, "bits": 2, "sink_tokens": 4}
+    upgrades = {"keys": {"key_bits": 4}, "values": {"value_bits": 4}}
+    n = args.texts_per_kind
+    gains = {name: [0.0] * model.config.num_hidden_layers for name in upgrades}
+    for kind in texts.KINDS:
+        ids = multitext.windows(tok, kind, n, args.prompt + args.tokens, split="train")  # [N, P + M]
+        pre = multitext.prefill(model, ids[:, : args.prompt])
+        found = sensitivity.upgrade_gains(model, pre, ids[:, args.prompt:], base, upgrades, tick=lambda i, name, g: print(
+            f"{kind} layer {i} {name} int4: {100 * g:+.2f}% perplexity gained", flush=True))
+        for name in gains:  # the mean over the two kinds
+            gains[name] = [a + b / len(texts.KINDS) for a, b in zip(gains[name], found[name])]
+    policy = sensitivity.mixed_upgrades(
+        base, gains, upgrades, args.upgrade, "int2-keys",
+        f"int2 KIVI with 4 sinks; int4 for the {args.upgrade} layer keys (or values) whose int4 buys the most "
+        f"perplexity on {args.model} where every other layer is int2 (bench/bench_real.py --upgrade-search)")
+    import yaml
+
+    from tiercache import Policy
+
+    from tiercache.model_spec import ModelSpec
+
+    Policy.from_dict(policy).resolve(ModelSpec.from_config(model.config))  # a config that loads, for this model
+    out = _config_out(args, "int2-keys.yaml")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(policy, sort_keys=False))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "upgrade_gains.json").write_text(json.dumps({"model": args.model, "gains": gains}, indent=1))
+    for name, per in gains.items():
+        top = sorted(range(len(per)), key=lambda i: -per[i])[:10]
+        print(f"{name}: best layers " + ", ".join(f"{i} ({100 * per[i]:+.1f}%)" for i in top))
+    print(f"wrote {out}: {policy.get('overrides')}")
     return 0
 
 

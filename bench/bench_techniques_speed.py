@@ -1,4 +1,5 @@
-"""Decode speed of the quality techniques (sinks, clipping search) against today's int4 / int2.
+"""Decode speed of the quality techniques (sinks, clipping search, keys at their own bits) against
+today's int4 / int2.
 
     python bench/bench_techniques_speed.py --model smollm2-135m --prompt 1024 --new 256
 
@@ -27,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_quantize import mib, rel, run  # noqa: E402
 
-from tiercache import TieredCache  # noqa: E402
-from tiercache.bench import texts  # noqa: E402
+from tiercache.bench import setups, texts  # noqa: E402
 from tiercache.bench.tiny import load_model  # noqa: E402
 
 K = {"backend": "native", "group_size": 64, "residual_length": 128}
@@ -37,6 +37,8 @@ CACHES = {
     "int4 +sinks +clip": {**K, "bits": 4, "sink_tokens": 4, "clip": "mse"},
     "int2 (today)": {**K, "bits": 2},
     "int2 +sinks +clip": {**K, "bits": 2, "sink_tokens": 4, "clip": "mse"},
+    "int2 +sinks": {**K, "bits": 2, "sink_tokens": 4},
+    "int2-keys": "smollm2-135m/int2-keys.yaml",  # int2 + sinks, int4 keys on 7 layers (values on 1)
 }
 
 
@@ -51,7 +53,7 @@ def main(argv=None) -> int:
     model, tok = load_model(args.model)
     prompt = texts.token_ids(tok, "code", args.prompt)[None]  # [1, P]
     caches = {"full precision": DynamicCache(config=model.config)}
-    caches.update({n: TieredCache.from_policy({"name": n, "quantize": q}, model.config) for n, q in CACHES.items()})
+    caches.update({n: setups.factory(q, model.config)() for n, q in CACHES.items()})
     out = run(model, caches, prompt, args.new)
     base = out["int4 (today)"]["tokens/s"]
     ref = out["full precision"]["logits"]

@@ -53,3 +53,21 @@ def test_quality_first_stays_lossless_when_it_can():
     assert short.policy.name == "quality-first/fp-resident" and short.policy.quantize is None
     long = plan(CONFIGS / "quality-first.yaml", "Llama-3-8B", 1, 131072)
     assert long.policy.quantize is None and long.policy.offload is not None
+
+
+MODEL_CONFIGS = sorted(p for p in CONFIGS.glob("*/*.yaml") if p.parent.name != "serve")  # configs/<model>/
+
+
+@pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_model_configs_load_and_plan_for_their_model(path):
+    """A measured config (``configs/<model>/``, written by ``bench_real.py --sensitivity`` /
+    ``--upgrade-search``) loads, and plans for the model it was measured on, every layer quantized."""
+    from tiercache.planner import resolve_model
+
+    policy = tiercache.load_policy(path)
+    assert policy.name == path.stem and policy.description
+    spec = resolve_model(path.parent.name)
+    layers = policy.resolve(spec)
+    assert all(lp.quantize is not None for lp in layers)
+    p = plan(policy, spec, 1, 4096)
+    assert p.bytes["device"] > 0

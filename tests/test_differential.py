@@ -67,6 +67,7 @@ SETUPS = [
     ("static-int4-llama", "llama", {"storage": "static", "max_length": STATIC_LENGTH, "quantize": Q}),
     ("int4-sinks-clip-gemma2", "gemma2", {"quantize": {**Q, "sink_tokens": 3, "clip": "mse"}}),
     ("int4-sinks-offload-llama", "llama", {"quantize": {**Q, "sink_tokens": 2}, "offload": {"device": "cpu"}}),
+    ("int2-keys4-gemma2-offload", "gemma2", {"quantize": {**Q, "bits": 2, "key_bits": 4}, "offload": {"device": "cpu"}}),
 ]
 SEEDS = [0, 1, 2]
 STEPS = 60

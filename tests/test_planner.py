@@ -171,3 +171,20 @@ def test_main_plan_exit_codes(tmp_path):
     bad.write_text("name: p\noverrides: [{layers: [40], quantize: null}]\n")
     assert main_plan(str(bad), "llama-3-8b", 10, 1, out=io.StringIO(), err=err) == 1
     assert "out of range" in err.getvalue()
+
+
+def test_keys_at_their_own_bits_are_counted_and_named():
+    """``key_bits: 4`` on ``bits: 2``: the keys' rows at int4 size, the values' at int2, and the
+    table says so (K4V2)."""
+    from tiercache.policy import QuantizePolicy
+
+    spec = PRESETS["llama-3-8b"]
+    q2, q4, mixed = QuantizePolicy(bits=2), QuantizePolicy(bits=4), QuantizePolicy(bits=2, key_bits=4)
+    both = quantized_bytes(q2, spec, 1, 4096) + quantized_bytes(q4, spec, 1, 4096)
+    assert 2 * quantized_bytes(mixed, spec, 1, 4096) == both  # same K and V dims: the mean of the two
+    p = plan(tiercache.Policy.from_dict({"name": "k4", "quantize": {"bits": 2},
+                                         "overrides": [{"layers": [0], "quantize": {"key_bits": 4}}]}),
+             spec, 1, 4096)
+    table = p.table()
+    assert "K4V2 native" in table and "int2 native" in table
+    assert p.layers[0].bytes["device"] > p.layers[1].bytes["device"]

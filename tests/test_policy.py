@@ -30,6 +30,13 @@ BAD = [
     ("not-a-mapping", ["storage"], r"policy: expected a mapping"),
     ("auto-without-budget", {"auto": True}, r"auto: true needs a device budget"),
     ("path-without-disk", {"offload": {"device": "cpu", "path": "/tmp"}}, r"offload\.path: only used with device: disk"),
+    ("key-bits-unsupported", {"quantize": {"bits": 2, "key_bits": 3}},
+     r"policy\.quantize\.key_bits: backend 'native' supports bits 2, 4, 8 .*got bits 3"),
+    ("value-bits-fp8", {"quantize": {"bits": 8, "format": "fp8", "value_bits": 4}},
+     r"policy\.quantize\.value_bits: backend 'native' format 'fp8' is 8 bits"),
+    ("override-key-bits", {"quantize": {"bits": 2}, "overrides": [{"layers": [0], "quantize": {"key_bits": 5}}]},
+     r"policy\.overrides\[0\]\.quantize\.key_bits: .*got bits 5"),
+    ("key-bits-type", {"quantize": {"key_bits": "4"}}, r"policy\.quantize\.key_bits: expected an integer"),
 ]
 
 

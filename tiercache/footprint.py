@@ -90,9 +90,10 @@ def _fp_bytes(model: ModelSpec, index: int, batch: int, tokens: int) -> int:
     return batch * heads * tokens * (key_dim + value_dim) * model.dtype_bytes
 
 
-def row_bytes(q: QuantizePolicy, head_dim: int, axis: str, dtype_bytes: int) -> int:
-    """Bytes of one packed block row (``processors/codec.py``: codes, pad, scale [, offset])."""
-    return CodecSpec.of(q).row_bytes(head_dim, axis, dtype_bytes)
+def row_bytes(q: QuantizePolicy, head_dim: int, which: str, dtype_bytes: int) -> int:
+    """Bytes of one packed block row of ``"keys"`` / ``"values"`` (``processors/codec.py``: codes, pad,
+    scale [, offset])."""
+    return CodecSpec.of(q).row_bytes(head_dim, which, dtype_bytes)
 
 
 def quantized_bytes(q: QuantizePolicy, model: ModelSpec, batch: int, tokens: int, index: int = 0) -> int:
@@ -105,7 +106,7 @@ def _block_bytes(q: QuantizePolicy, model: ModelSpec, index: int) -> int:
     """One block of K plus one of V of layer ``index``, for one batch row and head."""
     _, key_dim, value_dim = model.kv_shape(index)
     size = model.dtype_bytes
-    return row_bytes(q, key_dim, q.key_axis, size) + row_bytes(q, value_dim, q.value_axis, size)
+    return row_bytes(q, key_dim, "keys", size) + row_bytes(q, value_dim, "values", size)
 
 
 def quantize_split(q: QuantizePolicy, seen: int) -> tuple[int, int]:

@@ -64,7 +64,7 @@ def _rung_policy(auto: Policy, name: str, bits: int | None, where: str | None) -
         data["quantize"] = None
     else:
         base = auto.quantize or QuantizePolicy()
-        data["quantize"] = {**base.__dict__, "bits": bits, "format": "int",
+        data["quantize"] = {**base.__dict__, "bits": bits, "format": "int", "key_bits": None, "value_bits": None,
                             "key_axis": "channel", "value_axis": "token"}
     if where is None:
         data["offload"] = None

@@ -75,6 +75,13 @@ class QuantizePolicy:
     sink_tokens: int = 0  # the first tokens seen stay in full precision (attention sinks); full-attention layers
     clip: Literal["minmax", "mse", "mse-values", "mse-keys"] = "minmax"  # per-group range: min/max, or searched for
     # least squared error (mse: keys and values; mse-values / mse-keys: that tensor only, the other min/max)
+    key_bits: int | None = None  # the keys' bits when not ``bits`` (keys are the sensitive half: e.g. 4 on a few layers)
+    value_bits: int | None = None  # the values' bits when not ``bits``
+
+    def bits_of(self, which: str) -> int:
+        """Bits of ``"keys"`` or ``"values"``: ``key_bits`` / ``value_bits``, else ``bits``."""
+        own = self.key_bits if which == "keys" else self.value_bits
+        return self.bits if own is None else own
 
 
 @dataclass(frozen=True)
@@ -365,6 +372,9 @@ def _check_quantize(q: QuantizePolicy, where: str) -> None:
     from tiercache.processors.backends import validate
 
     validate(q, where)
+    for name, which in (("key_bits", "keys"), ("value_bits", "values")):
+        if getattr(q, name) is not None:  # the tensor's own bits, checked as the backend's bits
+            validate(dataclasses.replace(q, bits=q.bits_of(which)), f"{where}.{name}")
 
 
 def _check_offload(o: OffloadPolicy, where: str) -> None:

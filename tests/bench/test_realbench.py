@@ -77,6 +77,41 @@ def test_sensitivity_costs_and_mixed_policy():
     assert "overrides" not in sensitivity.mixed({"bits": 2}, [0.1], None, 0, "m")
 
 
+def test_one_pass_scoring_equals_decode_steps_while_the_continuation_stays_residual():
+    """Prompt of 96 = 3 residual periods of 32: all packed; 32 continuation tokens: all residual."""
+    from transformers import DynamicCache
+
+    from tiercache import TieredCache
+
+    model = tiny_random()
+    ids = texts.token_ids(ByteTokenizer(), "code", 128, split="train")
+    pre = seeded.prefill(model, ids[:96])
+    q = {"name": "q", "quantize": {"bits": 2, "group_size": 16, "residual_length": 32}}
+    for make in (lambda: DynamicCache(config=model.config), lambda: TieredCache.from_policy(q, model.config)):
+        stepped = forced.teacher_forced(model, seeded.seed(make(), pre), pre, ids[96:]).nll
+        one = sensitivity.one_pass_nll(model, seeded.seed(make(), pre), pre, ids[96:])
+        assert one.shape == stepped.shape == (32,)
+        torch.testing.assert_close(one, stepped, atol=1e-4, rtol=1e-4)
+    exact = sensitivity.one_pass_nll(model, seeded.seed(DynamicCache(config=model.config), pre), pre, ids[96:])
+    assert not torch.allclose(one, exact, atol=1e-4)  # the quantized prompt is really read
+
+
+def test_upgrade_gains_and_mixed_upgrades():
+    model = tiny_random()
+    ids = texts.token_ids(ByteTokenizer(), "code", 128, split="train")
+    pre = seeded.prefill(model, ids[:96])
+    base = {"bits": 2, "group_size": 16, "residual_length": 32}
+    gains = sensitivity.upgrade_gains(model, pre, ids[96:], base, {"same": {"key_bits": 2}, "keys": {"key_bits": 8}})
+    n = model.config.num_hidden_layers
+    assert gains["same"] == [0.0] * n  # the same format: the very same cache
+    assert len(gains["keys"]) == n and all(g == g and g != 0.0 for g in gains["keys"])
+    ups = {"keys": {"key_bits": 4}, "values": {"value_bits": 4}}
+    policy = sensitivity.mixed_upgrades(base, {"keys": [0.3, 0.0, 0.2], "values": [0.25, 0.1, -0.1]}, ups, 3, "m")
+    assert policy["overrides"] == [{"layers": [0], "quantize": {"key_bits": 4, "value_bits": 4}},
+                                   {"layers": [2], "quantize": {"key_bits": 4}}]
+    assert "overrides" not in sensitivity.mixed_upgrades(base, {"keys": [0.3]}, ups, 0, "m")
+
+
 def test_run_rows_on_the_tiny_model():
     model, tok = load_model("tiny")
     names = ["int2 min/max", "int2 +sinks +clip", "QuantizedCache quanto int2"]

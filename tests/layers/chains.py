@@ -40,6 +40,7 @@ CHAINS = {
     "int4-disk": lambda p: lp(quantize=Q4, offload=OffloadPolicy(device="disk", path=str(p))),
     "int4-sliding-host": lambda p: lp("sliding", window=7, quantize=Q4, offload=HOST),
     "int2-sinks-clip": lambda p: lp(quantize=dataclasses.replace(Q2T, sink_tokens=3, clip="mse")),
+    "int2-keys4-host": lambda p: lp(quantize=dataclasses.replace(Q4, bits=2, key_bits=4), offload=HOST),
 }
 
 

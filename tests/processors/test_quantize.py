@@ -23,6 +23,7 @@ CONFIGS = [
     pytest.param(QuantizePolicy(bits=2, group_size=4, residual_length=0), id="int2-g4-r0"),
     pytest.param(QuantizePolicy(bits=8, group_size=8, residual_length=3, key_axis="token", value_axis="channel"), id="int8-g8-r3-swapped"),
     pytest.param(QuantizePolicy(bits=8, group_size=4, residual_length=2, format="fp8"), id="fp8-g4-r2"),
+    pytest.param(QuantizePolicy(bits=2, key_bits=4, group_size=4, residual_length=4), id="K4V2-g4-r4"),
 ]
 KINDS = [pytest.param({}, id="full"), pytest.param({"window": 6}, id="sliding6"), pytest.param({"window": 13}, id="sliding13"),
          pytest.param({"max_length": 64}, id="static64")]
@@ -159,13 +160,15 @@ def test_reset_forgets_everything():
 def test_quantizes_each_block_once(monkeypatch):
     layer = make(CONFIGS[0].values[0], {})
     calls = []
-    original = layer.backend.quantize
 
-    def counting(x, dim):
-        calls.append(x.shape[2])  # blocks in this call
-        return original(x, dim)
+    def counting(original):
+        def quantize(x, dim):
+            calls.append(x.shape[2])  # blocks in this call
+            return original(x, dim)
+        return quantize
 
-    monkeypatch.setattr(layer.backend, "quantize", counting)
+    for backend in layer.codec.backends.values():  # the keys' and the values' (their bits may differ)
+        monkeypatch.setattr(backend, "quantize", counting(backend.quantize))
     steps = [37] + [1] * 200
     for i, t in enumerate(steps):
         layer.update(*kv(t, torch.float32, i))
@@ -213,3 +216,34 @@ def test_sliding_crop_past_window_raises_and_keeps_state():
     with pytest.raises(CacheError, match="activate_past_recording"):
         layer.crop(20)
     assert layer.seq_length() == 32 and all(torch.equal(a, b) for a, b in zip(layer.kv(), before))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bits_per_tensor_are_each_uniform_format(kind):
+    """keys at 4 bits, values at 2: the keys are what an int4 layer holds, bit for bit, and the
+    values what an int2 layer holds (the two halves are independent formats)."""
+    def layer(**q):
+        return make(QuantizePolicy(group_size=4, residual_length=4, **q), kind)
+
+    mixed, int4, int2 = layer(bits=2, key_bits=4), layer(bits=4), layer(bits=2, value_bits=2)
+    for i, t in enumerate(STEPS):
+        k, v = kv(t, torch.float32, i)
+        (mk, mv), (fk, _), (_, tv) = mixed.update(k, v), int4.update(k, v), int2.update(k, v)
+        assert torch.equal(mk, fk) and torch.equal(mv, tv)
+    assert mixed.codecs[0].row_bytes == int4.codecs[0].row_bytes > mixed.codecs[1].row_bytes == int2.codecs[1].row_bytes
+
+
+def test_state_saved_before_bits_per_tensor_loads_and_other_bits_are_refused():
+    """A state dict written before ``key_bits`` / ``value_bits`` existed (its config lacks them) is
+    the same format; one of other key bits is refused, naming retier."""
+    layer = make(QuantizePolicy(bits=2, group_size=4, residual_length=4), {})
+    for i, t in enumerate(STEPS):
+        layer.update(*kv(t, torch.float32, i))
+    sd = layer.state_dict()
+    old = {**sd, "config": {k: v for k, v in sd["config"].items() if k not in ("key_bits", "value_bits")}}
+    twin = make(QuantizePolicy(bits=2, group_size=4, residual_length=4), {})
+    twin.load_state_dict(old)
+    check(twin.export()[:2], layer.export()[:2])
+    other = make(QuantizePolicy(bits=2, key_bits=4, group_size=4, residual_length=4), {})
+    with pytest.raises(CacheError, match="use retier"):
+        other.load_state_dict(sd)

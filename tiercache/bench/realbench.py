@@ -60,16 +60,13 @@ SETUPS.update({
     "int2-mixed +clipV": ("int2-mixed with the clipping search on values only", "smollm2-135m/int2-mixed-values.yaml"),
     "int2 +sinks +clipV +V/channel": ("int2, 4 sinks, clipping on values, values per channel",
                                       {**S2, "clip": "mse-values", "value_axis": "channel"}),
+    "int2 +sinks K4 everywhere": ("int2 values, int4 keys on every layer, 4 sinks", {**S2, "key_bits": 4}),
+    "int2 +sinks V4 everywhere": ("int4 values, int2 keys on every layer, 4 sinks", {**S2, "value_bits": 4}),
+    "int2-keys": ("int2, 4 sinks, int4 on the 8 (layer, keys or values) the upgrade search picked",
+                  "smollm2-135m/int2-keys.yaml"),
+    "int2-keys-top4": ("int2, 4 sinks, int4 keys on the search's top 4 layers (17, 18, 20, 23)",
+                       "smollm2-135m/int2-keys-top4.yaml"),
 })
-
-
-def _factory(spec, config, device="cpu"):
-    if isinstance(spec, str) and spec in setups.BASELINES:
-        return setups.baseline_setups([spec], config, str(device))[0].make
-    from tiercache import TieredCache, load_policy
-
-    policy = load_policy(str(setups.REPO_CONFIGS / spec) if isinstance(spec, str) else {"name": "inline", "quantize": spec})
-    return lambda: TieredCache.from_policy(policy, config)
 
 
 def _close(cache) -> None:
@@ -89,7 +86,7 @@ def run(model, tok, names, prompt: int, tokens: int, kinds, greedy_tokens: int, 
     for n in missing:
         log(f"skipped {n}: {setups.REPO_CONFIGS / SETUPS[n][1]} not found")
     names = [n for n in names if n not in missing]
-    make = {n: _factory(SETUPS[n][1], model.config, model.device) for n in names}
+    make = {n: setups.factory(SETUPS[n][1], model.config, model.device) for n in names}
     rows = {n: {"name": n, "what": SETUPS[n][0], "ppl": {}, "ppl_delta": {}, "top1": {}, "seconds": 0.0,
                 "steps": 0, "retrieval": {}, "ppl_spread": {}} for n in names}
     for kind in kinds:

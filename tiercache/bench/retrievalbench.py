@@ -38,17 +38,10 @@ SETUPS = {
     "int2-sinks": "int2-sinks.yaml",
     "int2 +sinks +clip": {**_K, "bits": 2, "sink_tokens": 4, "clip": "mse"},
     "int2-mixed": "smollm2-135m/int2-mixed.yaml",
+    "int2-keys": "smollm2-135m/int2-keys.yaml",
+    "int2-keys-top4": "smollm2-135m/int2-keys-top4.yaml",
 }
 DEFAULT = tuple(SETUPS)
-
-
-def _factory(spec, config):
-    if isinstance(spec, str) and spec in setups.BASELINES:
-        return setups.baseline_setups([spec], config, "cpu")[0].make
-    from tiercache import TieredCache, load_policy
-
-    policy = load_policy(str(setups.REPO_CONFIGS / spec) if isinstance(spec, str) else {"name": "inline", "quantize": spec})
-    return lambda: TieredCache.from_policy(policy, config)
 
 
 def _names(names) -> list[str]:
@@ -70,7 +63,7 @@ def spread_order(count: int) -> list[int]:
 def run(model, tok, names, contexts, count: int, fmt: str = "passkey", chat: bool = False, seed: int = 0,
         log=print, on_sample=None, done=(), reverse: bool = False) -> list[dict]:
     names = _names(names)
-    make = {n: _factory(SETUPS[n], model.config) for n in names}
+    make = {n: setups.factory(SETUPS[n], model.config) for n in names}
     depths = retrieval.spread(count)
     depths = [depths[i] for i in spread_order(count)][:: -1 if reverse else 1]
     records = [r for r in done if set(names) <= set(r["found"])]

@@ -8,11 +8,29 @@ Interface
 - ``mixed(base, costs, upgrade, k, name) -> dict``: a policy dict: ``base`` everywhere, and the
   ``k`` costliest layers overridden with ``upgrade`` (a ``QuantizePolicy`` mapping merged over
   ``base``, e.g. ``{"bits": 4}``; ``None`` keeps them in full precision).
+- ``one_pass_nll(model, cache, prefilled, continuation [M]) -> nll [M]``: the continuation scored
+  in one forward over the seeded cache (``M - 1`` tokens in one update). It attends over itself
+  exactly and over the prompt as the cache keeps it: the same as ``M`` decode steps while the
+  continuation stays in the residual (e.g. residual 128, group 64, a prompt of a multiple of 128
+  tokens and no sinks: the prompt is all packed, the continuation all residual); otherwise a
+  close proxy. ~M times cheaper, which is what makes the per-layer, per-tensor search affordable.
+- ``upgrade_gains(model, prefilled, continuation, base, upgrades, tick=None) -> {name: [gain per
+  layer]}``: ``base`` (a ``QuantizePolicy`` mapping) on every layer, and layer ``i`` alone given
+  the upgrade (``upgrades[name]``, merged over ``base``, e.g. ``{"keys": {"key_bits": 4},
+  "values": {"value_bits": 4}}``): the gain is ``ppl_base / ppl_i - 1``, what that upgrade buys
+  where every other layer is quantized too (unlike ``layer_costs``, which quantizes one layer
+  alone). Scored by ``one_pass_nll`` on every text of ``prefilled`` (``[N, H, P, D]``, mean nll).
+- ``mixed_upgrades(base, gains, upgrades, k, name) -> dict``: a policy dict: ``base`` everywhere,
+  and the ``k`` (layer, upgrade) pairs of the largest gain applied, merged per layer into one
+  override each (a layer given keys and values upgrades gets both).
 
 Measure on text that the evaluation does not read (``texts`` split ``"train"``).
 """
 
 from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
 
 from tiercache.bench import forced, quality, seeded
 
@@ -42,4 +60,49 @@ def mixed(base: dict, costs: list[float], upgrade: dict | None, k: int, name: st
     policy = {"name": name, "description": description, "quantize": dict(base)}
     if top:
         policy["overrides"] = [{"layers": top, "quantize": None if upgrade is None else dict(upgrade)}]
+    return policy
+
+
+@torch.no_grad()
+def one_pass_nll(model, cache, prefilled, continuation: torch.Tensor) -> torch.Tensor:
+    x = continuation.to(model.device).reshape(len(prefilled.logits) if prefilled.logits.dim() > 1 else 1, -1)
+    first = prefilled.logits.reshape(x.shape[0], -1).float()  # [N, V]: predicts token 0
+    rest = model(input_ids=x[:, :-1], past_key_values=cache, use_cache=True).logits.float()  # [N, M-1, V]
+    logits = torch.cat([first[:, None], rest], 1)  # [N, M, V]
+    nll = F.cross_entropy(logits.flatten(0, 1), x.flatten(), reduction="none").view(x.shape)  # [N, M]
+    return nll if continuation.dim() > 1 else nll[0]
+
+
+def upgrade_gains(model, prefilled, continuation, base: dict, upgrades: dict, tick=None) -> dict:
+    from tiercache import TieredCache
+
+    def ppl(policy) -> float:
+        cache = seeded.seed(TieredCache.from_policy(policy, model.config), prefilled)
+        nll = one_pass_nll(model, cache, prefilled, continuation)
+        cache.close()
+        return quality.perplexity(nll.flatten())
+
+    ref = ppl({"name": "base", "quantize": dict(base)})
+    gains = {name: [] for name in upgrades}
+    for i in range(len(prefilled.kv)):
+        for name, upgrade in upgrades.items():
+            policy = {"name": f"{name}-{i}", "quantize": dict(base),
+                      "overrides": [{"layers": [i], "quantize": {**base, **upgrade}}]}
+            gains[name].append(ref / ppl(policy) - 1)
+            if tick:
+                tick(i, name, gains[name][-1])
+    return gains
+
+
+def mixed_upgrades(base: dict, gains: dict, upgrades: dict, k: int, name: str, description: str = "") -> dict:
+    pairs = sorted(((g, i, n) for n, per in gains.items() for i, g in enumerate(per)), key=lambda p: -p[0])[:k]
+    per_layer: dict[int, dict] = {}
+    for _, i, n in pairs:
+        per_layer.setdefault(i, {}).update(upgrades[n])
+    policy = {"name": name, "description": description, "quantize": dict(base)}
+    groups: dict[tuple, list[int]] = {}
+    for i, up in sorted(per_layer.items()):
+        groups.setdefault(tuple(sorted(up.items())), []).append(i)
+    if groups:
+        policy["overrides"] = [{"layers": layers, "quantize": dict(up)} for up, layers in groups.items()]
     return policy

@@ -10,6 +10,9 @@ Interface
 - ``baseline_setups(names, config, device) -> list[Setup]``: ``BASELINES`` by name
   (``dynamic``, ``dynamic-offload`` (CUDA only), ``quanto-int4``, ``quanto-int2``, ``hqq-int4``,
   ``hqq-int2``); ``DEFAULT_BASELINES`` is what runs when none are named.
+- ``factory(spec, config, device="cpu") -> () -> cache``: a benchmark table's setup spec: a
+  ``BASELINES`` name, a config file under ``configs/`` (``"int4-kivi.yaml"``), a whole policy
+  dict (one with a ``"quantize"`` key) or a ``QuantizePolicy`` mapping for every layer.
 - ``cache_nbytes(cache) -> {place: bytes}``: ``cache.nbytes()`` for tiercache; for other caches
   the bytes of every tensor held by its layers, quantized storage included (tensor subclasses such
   as quanto's are walked through ``__tensor_flatten__``; shared storage is counted once).
@@ -107,6 +110,18 @@ def _quantized(config, backend: str, bits: int, axis: int):
     from transformers import QuantizedCache
 
     return QuantizedCache(backend, config, nbits=bits, axis_key=axis, axis_value=axis, q_group_size=64, residual_length=128)
+
+
+def factory(spec, config, device="cpu") -> Callable:
+    if isinstance(spec, str) and spec in BASELINES:
+        return baseline_setups([spec], config, str(device))[0].make
+    from tiercache import TieredCache, load_policy
+
+    if isinstance(spec, str):
+        policy = load_policy(str(REPO_CONFIGS / spec))
+    else:
+        policy = load_policy(spec if "quantize" in spec else {"name": "inline", "quantize": spec})
+    return lambda: TieredCache.from_policy(policy, config)
 
 
 def cache_nbytes(cache) -> dict[str, int]:

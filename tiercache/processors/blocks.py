@@ -1,9 +1,10 @@
 """Packed blocks: ``group_size`` tokens of one K (or V) head quantized into one row of bytes.
 
 Interface
-    Codec(spec: CodecSpec)     a layer's block format (``processors/codec.py``) and its backend
+    Codec(spec: CodecSpec)     a layer's block format (``processors/codec.py``) and its backends
         for_kv(key_dim, value_dim, dtype) -> (BlockCodec, BlockCodec)   made at the first update
-        row_bytes(head_dim, axis, dtype_bytes)                          the row layout's size
+        row_bytes(head_dim, which, dtype_bytes)                         the row layout's size
+        backend                the values' backend (the keys' differs only in bits: ``key_bits``)
         equal when the specs are (the same block format)
     BlockCodec(backend, group_size, head_dim, axis, dtype)
     encode(x) -> rows          x ``[B, H, N*G, D]`` float -> rows ``[B, H, N, row_bytes]`` uint8
@@ -99,17 +100,19 @@ class Codec:
 
     def __init__(self, spec: CodecSpec):
         self.spec = spec
-        self.backend = backends.get(spec)  # validated here: a bad backend fails when the chain is built
+        # validated here: a bad backend fails when the chain is built; one per tensor (their bits may differ)
+        self.backends = {which: backends.get(spec.for_tensor(which)) for which in ("keys", "values")}
+        self.backend = self.backends["values"]
         self.group_size = spec.group_size
 
     def for_kv(self, key_dim: int, value_dim: int, dtype: torch.dtype) -> tuple["BlockCodec", "BlockCodec"]:
         """Fresh codecs for the keys and the values (each remembers the views it last decoded)."""
-        return (BlockCodec(backends.for_tensor(self.backend, "keys"), self.group_size, key_dim, self.spec.key_axis, dtype),
-                BlockCodec(backends.for_tensor(self.backend, "values"), self.group_size, value_dim, self.spec.value_axis,
-                           dtype))
+        return tuple(BlockCodec(backends.for_tensor(self.backends[which], which), self.group_size, dim,
+                                self.spec.axis_of(which), dtype)
+                     for which, dim in (("keys", key_dim), ("values", value_dim)))
 
-    def row_bytes(self, head_dim: int, axis: str, dtype_bytes: int) -> int:
-        return self.spec.row_bytes(head_dim, axis, dtype_bytes)
+    def row_bytes(self, head_dim: int, which: str, dtype_bytes: int) -> int:
+        return self.spec.row_bytes(head_dim, which, dtype_bytes)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Codec) and other.spec == self.spec

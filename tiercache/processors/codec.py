@@ -5,12 +5,15 @@ Interface
         frozen, hashable: how a block of ``group_size`` tokens is encoded (backend, bits, format,
         clip) and laid out (key / value axis). Two layers whose ``CodecSpec`` are equal hold
         interchangeable packed rows (``Quantize.can_adopt``); the residual rule and the attention
-        sinks are not part of it.
+        sinks are not part of it. Canonical in the bits: ``bits`` are the values' bits and
+        ``key_bits`` the keys' where they differ (else None), however the policy said it.
     spec.policy(residual_length, sink_tokens) -> QuantizePolicy
         the inverse of ``of``: the policy a layer of this format reports (its saved ``config``)
+    spec.bits_of(which) -> int            bits of ``"keys"`` / ``"values"``
+    spec.for_tensor(which) -> CodecSpec   that tensor's format alone (both bits its bits)
     spec.has_offset                       False for fp8 (symmetric: no zero point is stored)
-    spec.layout(head_dim, axis, dtype_bytes) -> RowLayout
-    spec.row_bytes(head_dim, axis, dtype_bytes) -> int
+    spec.layout(head_dim, which, dtype_bytes) -> RowLayout      ``which``: "keys" | "values"
+    spec.row_bytes(head_dim, which, dtype_bytes) -> int
     row_layout(bits, has_offset, group_size, head_dim, axis, dtype_bytes) -> RowLayout
     token_groups(head_dim, group_size) -> int
 
@@ -25,7 +28,7 @@ then one scale (and, with an offset, one offset) in the model dtype per group: p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from tiercache.policy import QuantizePolicy
@@ -65,22 +68,34 @@ class CodecSpec:
     value_axis: str
     format: str
     clip: str
+    key_bits: int | None = None  # the keys' bits where they differ from ``bits`` (the values')
 
     @classmethod
     def of(cls, q: QuantizePolicy) -> "CodecSpec":
-        return cls(q.backend, q.bits, q.group_size, q.key_axis, q.value_axis, q.format, q.clip)
+        kb, vb = q.bits_of("keys"), q.bits_of("values")
+        return cls(q.backend, vb, q.group_size, q.key_axis, q.value_axis, q.format, q.clip, None if kb == vb else kb)
 
     def policy(self, residual_length: int, sink_tokens: int = 0) -> QuantizePolicy:
         return QuantizePolicy(backend=self.backend, bits=self.bits, group_size=self.group_size,
                               residual_length=residual_length, key_axis=self.key_axis, value_axis=self.value_axis,
-                              format=self.format, sink_tokens=sink_tokens, clip=self.clip)
+                              format=self.format, sink_tokens=sink_tokens, clip=self.clip, key_bits=self.key_bits)
+
+    def bits_of(self, which: str) -> int:
+        return self.key_bits if which == "keys" and self.key_bits is not None else self.bits
+
+    def for_tensor(self, which: str) -> "CodecSpec":
+        return replace(self, bits=self.bits_of(which), key_bits=None)
+
+    def axis_of(self, which: str) -> str:
+        return self.key_axis if which == "keys" else self.value_axis
 
     @property
     def has_offset(self) -> bool:
         return self.format != "fp8"
 
-    def layout(self, head_dim: int, axis: str, dtype_bytes: int) -> RowLayout:
-        return row_layout(self.bits, self.has_offset, self.group_size, head_dim, axis, dtype_bytes)
+    def layout(self, head_dim: int, which: str, dtype_bytes: int) -> RowLayout:
+        return row_layout(self.bits_of(which), self.has_offset, self.group_size, head_dim, self.axis_of(which),
+                          dtype_bytes)
 
-    def row_bytes(self, head_dim: int, axis: str, dtype_bytes: int) -> int:
-        return self.layout(head_dim, axis, dtype_bytes).row_bytes
+    def row_bytes(self, head_dim: int, which: str, dtype_bytes: int) -> int:
+        return self.layout(head_dim, which, dtype_bytes).row_bytes

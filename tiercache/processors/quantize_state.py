@@ -52,7 +52,10 @@ def state_dict(q) -> dict:
 
 def load_state_dict(q, sd: dict) -> None:
     expect(sd, "quantize")
-    if sd.get("config") != dataclasses.asdict(q.config):
+    saved = sd.get("config")
+    if isinstance(saved, dict):  # a file from before a field existed held that field's default
+        saved = {f.name: f.default for f in dataclasses.fields(q.config)} | saved
+    if saved != dataclasses.asdict(q.config):
         raise CacheError(f"state of a quantize layer: block format {sd.get('config')} differs from this layer's "
                          f"{dataclasses.asdict(q.config)}; use retier to change the quantization")
     spec = spec_from(sd.get("spec"))
