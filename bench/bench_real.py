@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tiercache
 
-from tiercache.bench import builtin, multitext, real_report, realbench, seeded, sensitivity, texts  # noqa: E402
+from tiercache.bench import builtin, multitext, real_report, realbench, retrieval, seeded, sensitivity, texts  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
@@ -66,6 +66,9 @@ def main(argv=None) -> int:
                    "(default configs/<model>/int2-mixed.yaml / int2-keys.yaml)")
     p.add_argument("--upgrade-search", action="store_true", help="per layer, what int4 keys (or values) buy over "
                    "int2 + sinks everywhere, on train text; writes configs/<model>/int2-keys.yaml")
+    p.add_argument("--objective", choices=["text", "retrieval"], default="text", help="--upgrade-search: the "
+                   "perplexity of train text, or of the pass key's digits in retrieval samples of --contexts at "
+                   "--depths (seed 1: not the keys bench_retrieval.py asks) -> int2-keys-retrieval.yaml")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -129,18 +132,28 @@ def _upgrade_search(model, tok, args) -> int:
     base = {**realbench.K, "bits": 2, "sink_tokens": 4}
     upgrades = {"keys": {"key_bits": 4}, "values": {"value_bits": 4}}
     n = args.texts_per_kind
-    gains = {name: [0.0] * model.config.num_hidden_layers for name in upgrades}
-    for kind in texts.KINDS:
+    gains = {u: [0.0] * model.config.num_hidden_layers for u in upgrades}
+    name = "int2-keys" if args.objective == "text" else "int2-keys-retrieval"
+    for kind in texts.KINDS if args.objective == "text" else ():
         ids = multitext.windows(tok, kind, n, args.prompt + args.tokens, split="train")  # [N, P + M]
         pre = multitext.prefill(model, ids[:, : args.prompt])
-        found = sensitivity.upgrade_gains(model, pre, ids[:, args.prompt:], base, upgrades, tick=lambda i, name, g: print(
-            f"{kind} layer {i} {name} int4: {100 * g:+.2f}% perplexity gained", flush=True))
-        for name in gains:  # the mean over the two kinds
-            gains[name] = [a + b / len(texts.KINDS) for a, b in zip(gains[name], found[name])]
+        found = sensitivity.upgrade_gains(model, [(pre, ids[:, args.prompt:], None)], base, upgrades, tick=lambda i, u, g: print(
+            f"{kind} layer {i} {u} int4: {100 * g:+.2f}% perplexity gained", flush=True))
+        for u in gains:  # the mean over the two kinds
+            gains[u] = [a + b / len(texts.KINDS) for a, b in zip(gains[u], found[u])]
+    if args.objective == "retrieval":
+        items = []
+        for s in retrieval.samples(tok, args.contexts, args.depths, seed=1):
+            digits = torch.tensor(texts.encode(tok, " " + s.key))
+            mask = torch.cat([torch.zeros(len(s.question), dtype=torch.bool), torch.ones(len(digits), dtype=torch.bool)])
+            items.append((seeded.prefill(model, s.context), torch.cat([s.question, digits]), mask))
+        gains = sensitivity.upgrade_gains(model, items, base, upgrades, tick=lambda i, u, g: print(
+            f"retrieval layer {i} {u} int4: {100 * g:+.2f}% pass-key perplexity gained", flush=True))
+    what = "perplexity" if args.objective == "text" else "pass-key perplexity (retrieval samples)"
     policy = sensitivity.mixed_upgrades(
-        base, gains, upgrades, args.upgrade, "int2-keys",
+        base, gains, upgrades, args.upgrade, name,
         f"int2 KIVI with 4 sinks; int4 for the {args.upgrade} layer keys (or values) whose int4 buys the most "
-        f"perplexity on {args.model} where every other layer is int2 (bench/bench_real.py --upgrade-search)")
+        f"{what} on {args.model} where every other layer is int2 (bench/bench_real.py --upgrade-search)")
     import yaml
 
     from tiercache import Policy
@@ -148,14 +161,14 @@ def _upgrade_search(model, tok, args) -> int:
     from tiercache.model_spec import ModelSpec
 
     Policy.from_dict(policy).resolve(ModelSpec.from_config(model.config))  # a config that loads, for this model
-    out = _config_out(args, "int2-keys.yaml")
+    out = _config_out(args, f"{name}.yaml")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(policy, sort_keys=False))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "upgrade_gains.json").write_text(json.dumps({"model": args.model, "gains": gains}, indent=1))
-    for name, per in gains.items():
+    for u, per in gains.items():
         top = sorted(range(len(per)), key=lambda i: -per[i])[:10]
-        print(f"{name}: best layers " + ", ".join(f"{i} ({100 * per[i]:+.1f}%)" for i in top))
+        print(f"{u}: best layers " + ", ".join(f"{i} ({100 * per[i]:+.1f}%)" for i in top))
     print(f"wrote {out}: {policy.get('overrides')}")
     return 0
 

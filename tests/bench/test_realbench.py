@@ -101,10 +101,15 @@ def test_upgrade_gains_and_mixed_upgrades():
     ids = texts.token_ids(ByteTokenizer(), "code", 128, split="train")
     pre = seeded.prefill(model, ids[:96])
     base = {"bits": 2, "group_size": 16, "residual_length": 32}
-    gains = sensitivity.upgrade_gains(model, pre, ids[96:], base, {"same": {"key_bits": 2}, "keys": {"key_bits": 8}})
+    ups = {"same": {"key_bits": 2}, "keys": {"key_bits": 8}}
+    gains = sensitivity.upgrade_gains(model, [(pre, ids[96:], None)], base, ups)
     n = model.config.num_hidden_layers
     assert gains["same"] == [0.0] * n  # the same format: the very same cache
     assert len(gains["keys"]) == n and all(g == g and g != 0.0 for g in gains["keys"])
+    mask = torch.zeros(32, dtype=torch.bool)
+    mask[-4:] = True  # only the last 4 tokens count (as a pass key's digits would)
+    masked = sensitivity.upgrade_gains(model, [(pre, ids[96:], mask), (pre, ids[96:], mask)], base, ups)
+    assert masked["same"] == [0.0] * n and masked["keys"] != gains["keys"]
     ups = {"keys": {"key_bits": 4}, "values": {"value_bits": 4}}
     policy = sensitivity.mixed_upgrades(base, {"keys": [0.3, 0.0, 0.2], "values": [0.25, 0.1, -0.1]}, ups, 3, "m")
     assert policy["overrides"] == [{"layers": [0], "quantize": {"key_bits": 4, "value_bits": 4}},

@@ -64,6 +64,11 @@ SETUPS.update({
     "int2 +sinks V4 everywhere": ("int4 values, int2 keys on every layer, 4 sinks", {**S2, "value_bits": 4}),
     "int2-keys": ("int2, 4 sinks, int4 on the 8 (layer, keys or values) the upgrade search picked",
                   "smollm2-135m/int2-keys.yaml"),
+    "int4 +sinks +clip +K8 on 4 layers": ("int4, 4 sinks, clipping, int8 keys on layers 17, 18, 20, 23",
+                                          {"name": "int4-k8", "quantize": {**S4, "clip": "mse"},
+                                           "overrides": [{"layers": [17, 18, 20, 23], "quantize": {"key_bits": 8}}]}),
+    "int2-keys-retrieval": ("int2, 4 sinks, int4 on the 8 tensors the retrieval-objective search picked",
+                            "smollm2-135m/int2-keys-retrieval.yaml"),
     "int2-keys-top4": ("int2, 4 sinks, int4 keys on the search's top 4 layers (17, 18, 20, 23)",
                        "smollm2-135m/int2-keys-top4.yaml"),
 })

@@ -40,6 +40,7 @@ SETUPS = {
     "int2-mixed": "smollm2-135m/int2-mixed.yaml",
     "int2-keys": "smollm2-135m/int2-keys.yaml",
     "int2-keys-top4": "smollm2-135m/int2-keys-top4.yaml",
+    "int2-keys-retrieval": "smollm2-135m/int2-keys-retrieval.yaml",
 }
 DEFAULT = tuple(SETUPS)
 

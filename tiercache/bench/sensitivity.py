@@ -14,12 +14,15 @@ Interface
   continuation stays in the residual (e.g. residual 128, group 64, a prompt of a multiple of 128
   tokens and no sinks: the prompt is all packed, the continuation all residual); otherwise a
   close proxy. ~M times cheaper, which is what makes the per-layer, per-tensor search affordable.
-- ``upgrade_gains(model, prefilled, continuation, base, upgrades, tick=None) -> {name: [gain per
-  layer]}``: ``base`` (a ``QuantizePolicy`` mapping) on every layer, and layer ``i`` alone given
-  the upgrade (``upgrades[name]``, merged over ``base``, e.g. ``{"keys": {"key_bits": 4},
-  "values": {"value_bits": 4}}``): the gain is ``ppl_base / ppl_i - 1``, what that upgrade buys
-  where every other layer is quantized too (unlike ``layer_costs``, which quantizes one layer
-  alone). Scored by ``one_pass_nll`` on every text of ``prefilled`` (``[N, H, P, D]``, mean nll).
+- ``upgrade_gains(model, items, base, upgrades, tick=None) -> {name: [gain per layer]}``: ``base``
+  (a ``QuantizePolicy`` mapping) on every layer, and layer ``i`` alone given the upgrade
+  (``upgrades[name]``, merged over ``base``, e.g. ``{"keys": {"key_bits": 4}, "values":
+  {"value_bits": 4}}``): the gain is ``ppl_base / ppl_i - 1``, what that upgrade buys where every
+  other layer is quantized too (unlike ``layer_costs``, which quantizes one layer alone).
+  ``items``: ``(prefilled, continuation, mask)`` triples (texts ``[N, ...]`` in a batch, or one
+  retrieval sample each), scored by ``one_pass_nll``; ``mask`` (bool like the continuation, or
+  None for all) picks the tokens that count, e.g. only a pass key's digits. The perplexity is
+  over every counted token of every item.
 - ``mixed_upgrades(base, gains, upgrades, k, name) -> dict``: a policy dict: ``base`` everywhere,
   and the ``k`` (layer, upgrade) pairs of the largest gain applied, merged per layer into one
   override each (a layer given keys and values upgrades gets both).
@@ -28,6 +31,8 @@ Measure on text that the evaluation does not read (``texts`` split ``"train"``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -73,18 +78,22 @@ def one_pass_nll(model, cache, prefilled, continuation: torch.Tensor) -> torch.T
     return nll if continuation.dim() > 1 else nll[0]
 
 
-def upgrade_gains(model, prefilled, continuation, base: dict, upgrades: dict, tick=None) -> dict:
+def upgrade_gains(model, items, base: dict, upgrades: dict, tick=None) -> dict:
     from tiercache import TieredCache
 
     def ppl(policy) -> float:
-        cache = seeded.seed(TieredCache.from_policy(policy, model.config), prefilled)
-        nll = one_pass_nll(model, cache, prefilled, continuation)
-        cache.close()
-        return quality.perplexity(nll.flatten())
+        total, count = 0.0, 0
+        for prefilled, continuation, mask in items:
+            cache = seeded.seed(TieredCache.from_policy(policy, model.config), prefilled)
+            nll = one_pass_nll(model, cache, prefilled, continuation)
+            cache.close()
+            nll = nll if mask is None else nll[mask]
+            total, count = total + nll.sum().item(), count + nll.numel()
+        return math.exp(total / count)
 
     ref = ppl({"name": "base", "quantize": dict(base)})
     gains = {name: [] for name in upgrades}
-    for i in range(len(prefilled.kv)):
+    for i in range(len(items[0][0].kv)):
         for name, upgrade in upgrades.items():
             policy = {"name": f"{name}-{i}", "quantize": dict(base),
                       "overrides": [{"layers": [i], "quantize": {**base, **upgrade}}]}
