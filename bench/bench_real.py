@@ -6,6 +6,10 @@ policies and transformers' caches in the same run.
     python bench/bench_real.py --sensitivity            # per-layer int2 cost -> configs/<model>/int2-mixed.yaml
     python bench/bench_real.py --upgrade-search --upgrade 8 --texts-per-kind 4   # keys/values of which layers to give int4
                                                         # -> configs/<model>/int2-keys.yaml
+    python bench/bench_real.py --upgrade-search --objective retrieval --contexts 1024,2048 --depths 0.2,0.4,0.6,0.8
+                                                        # the pass key's digits instead -> int2-keys-retrieval.yaml
+    python bench/bench_real.py --upgrade-search --from-gains a/upgrade_gains.json,b/upgrade_gains.json
+                                                        # both searches' gains summed -> int2-keys-both.yaml
     python bench/bench_real.py --texts-per-kind 8 --tokens 256 --greedy-tokens 0 --contexts ""   # perplexity, 16 texts
 
 Per setup (``tiercache.bench.realbench``): KV bytes, decode tokens/s (teacher-forced steps),
@@ -66,6 +70,8 @@ def main(argv=None) -> int:
                    "(default configs/<model>/int2-mixed.yaml / int2-keys.yaml)")
     p.add_argument("--upgrade-search", action="store_true", help="per layer, what int4 keys (or values) buy over "
                    "int2 + sinks everywhere, on train text; writes configs/<model>/int2-keys.yaml")
+    p.add_argument("--from-gains", default=None, help="--upgrade-search: no measuring; sum the gains of these "
+                   "comma-separated upgrade_gains.json files (e.g. a text and a retrieval search) -> int2-keys-both.yaml")
     p.add_argument("--objective", choices=["text", "retrieval"], default="text", help="--upgrade-search: the "
                    "perplexity of train text, or of the pass key's digits in retrieval samples of --contexts at "
                    "--depths (seed 1: not the keys bench_retrieval.py asks) -> int2-keys-retrieval.yaml")
@@ -134,14 +140,19 @@ def _upgrade_search(model, tok, args) -> int:
     n = args.texts_per_kind
     gains = {u: [0.0] * model.config.num_hidden_layers for u in upgrades}
     name = "int2-keys" if args.objective == "text" else "int2-keys-retrieval"
-    for kind in texts.KINDS if args.objective == "text" else ():
+    if args.from_gains:  # both objectives at once: the sum of saved searches' gains
+        name, files = "int2-keys-both", [f for f in args.from_gains.split(",") if f]
+        for f in files:
+            saved = json.loads(Path(f).read_text())["gains"]
+            gains = {u: [a + b for a, b in zip(gains[u], saved[u])] for u in gains}
+    for kind in texts.KINDS if args.objective == "text" and not args.from_gains else ():
         ids = multitext.windows(tok, kind, n, args.prompt + args.tokens, split="train")  # [N, P + M]
         pre = multitext.prefill(model, ids[:, : args.prompt])
         found = sensitivity.upgrade_gains(model, [(pre, ids[:, args.prompt:], None)], base, upgrades, tick=lambda i, u, g: print(
             f"{kind} layer {i} {u} int4: {100 * g:+.2f}% perplexity gained", flush=True))
         for u in gains:  # the mean over the two kinds
             gains[u] = [a + b / len(texts.KINDS) for a, b in zip(gains[u], found[u])]
-    if args.objective == "retrieval":
+    if args.objective == "retrieval" and not args.from_gains:
         items = []
         for s in retrieval.samples(tok, args.contexts, args.depths, seed=1):
             digits = torch.tensor(texts.encode(tok, " " + s.key))
@@ -149,7 +160,8 @@ def _upgrade_search(model, tok, args) -> int:
             items.append((seeded.prefill(model, s.context), torch.cat([s.question, digits]), mask))
         gains = sensitivity.upgrade_gains(model, items, base, upgrades, tick=lambda i, u, g: print(
             f"retrieval layer {i} {u} int4: {100 * g:+.2f}% pass-key perplexity gained", flush=True))
-    what = "perplexity" if args.objective == "text" else "pass-key perplexity (retrieval samples)"
+    what = {"int2-keys": "perplexity", "int2-keys-retrieval": "pass-key perplexity (retrieval samples)",
+            "int2-keys-both": f"summed gain of {len(args.from_gains.split(',')) if args.from_gains else 0} searches"}[name]
     policy = sensitivity.mixed_upgrades(
         base, gains, upgrades, args.upgrade, name,
         f"int2 KIVI with 4 sinks; int4 for the {args.upgrade} layer keys (or values) whose int4 buys the most "

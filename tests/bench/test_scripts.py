@@ -78,3 +78,30 @@ def test_gpu_suite_dry_run(tmp_path):
                   "skipped: offloading=True needs CUDA"):
         assert cache in out.stdout, out.stdout[-3000:]
     assert (tmp_path / "longctx.json").is_file()
+
+
+def test_upgrade_search_from_saved_gains(tmp_path):
+    """--from-gains sums saved searches (no model run of its own) into int2-keys-both: the sum of a
+    search with itself picks what that search picked."""
+    import json
+
+    import yaml
+
+    path = os.pathsep.join(p for p in (str(BENCH.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    common = ["--model", "tiny", "--threads", "1", "--upgrade-search", "--upgrade", "3", "--out", "out"]
+    first = subprocess.run([sys.executable, str(BENCH / "bench_real.py"), *common, "--prompt", "128", "--tokens",
+                            "16", "--texts-per-kind", "1", "--config-out", "one.yaml"],
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = tmp_path / "saved.json"
+    saved.write_text((tmp_path / "out" / "upgrade_gains.json").read_text())
+    both = subprocess.run([sys.executable, str(BENCH / "bench_real.py"), *common, "--from-gains",
+                           f"{saved},{saved}", "--config-out", "both.yaml"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert both.returncode == 0, both.stderr[-3000:]
+    one, two = (yaml.safe_load((tmp_path / f).read_text()) for f in ("one.yaml", "both.yaml"))
+    assert two["name"] == "int2-keys-both" and two["overrides"] == one["overrides"]
+    summed = json.loads((tmp_path / "out" / "upgrade_gains.json").read_text())["gains"]
+    single = json.loads(saved.read_text())["gains"]
+    assert summed["keys"] == [2 * g for g in single["keys"]]

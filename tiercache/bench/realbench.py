@@ -69,6 +69,8 @@ SETUPS.update({
                                            "overrides": [{"layers": [17, 18, 20, 23], "quantize": {"key_bits": 8}}]}),
     "int2-keys-retrieval": ("int2, 4 sinks, int4 on the 8 tensors the retrieval-objective search picked",
                             "smollm2-135m/int2-keys-retrieval.yaml"),
+    "int2-keys-both": ("int2, 4 sinks, int4 on the 8 tensors of the summed text and retrieval gains",
+                       "smollm2-135m/int2-keys-both.yaml"),
     "int2-keys-top4": ("int2, 4 sinks, int4 keys on the search's top 4 layers (17, 18, 20, 23)",
                        "smollm2-135m/int2-keys-top4.yaml"),
 })

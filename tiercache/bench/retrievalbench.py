@@ -41,6 +41,7 @@ SETUPS = {
     "int2-keys": "smollm2-135m/int2-keys.yaml",
     "int2-keys-top4": "smollm2-135m/int2-keys-top4.yaml",
     "int2-keys-retrieval": "smollm2-135m/int2-keys-retrieval.yaml",
+    "int2-keys-both": "smollm2-135m/int2-keys-both.yaml",
 }
 DEFAULT = tuple(SETUPS)
 
