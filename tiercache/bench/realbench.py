@@ -71,6 +71,8 @@ SETUPS.update({
                             "smollm2-135m/int2-keys-retrieval.yaml"),
     "int2-keys-both": ("int2, 4 sinks, int4 on the 8 tensors of the summed text and retrieval gains",
                        "smollm2-135m/int2-keys-both.yaml"),
+    "int2-keys-both12": ("int2, 4 sinks, int4 on the 12 tensors of the summed text and retrieval gains",
+                         "smollm2-135m/int2-keys-both12.yaml"),
     "int2-keys-top4": ("int2, 4 sinks, int4 keys on the search's top 4 layers (17, 18, 20, 23)",
                        "smollm2-135m/int2-keys-top4.yaml"),
 })

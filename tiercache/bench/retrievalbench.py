@@ -42,6 +42,7 @@ SETUPS = {
     "int2-keys-top4": "smollm2-135m/int2-keys-top4.yaml",
     "int2-keys-retrieval": "smollm2-135m/int2-keys-retrieval.yaml",
     "int2-keys-both": "smollm2-135m/int2-keys-both.yaml",
+    "int2-keys-both12": "smollm2-135m/int2-keys-both12.yaml",
 }
 DEFAULT = tuple(SETUPS)
 
