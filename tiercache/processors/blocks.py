@@ -4,7 +4,7 @@ Interface
     Codec(spec: CodecSpec)     a layer's block format (``processors/codec.py``) and its backends
         for_kv(key_dim, value_dim, dtype) -> (BlockCodec, BlockCodec)   made at the first update
         row_bytes(head_dim, which, dtype_bytes)                         the row layout's size
-        backend                the values' backend (the keys' differs only in bits: ``key_bits``)
+        backends               {"keys": backend, "values": backend} (their bits may differ: ``key_bits``)
         equal when the specs are (the same block format)
     BlockCodec(backend, group_size, head_dim, axis, dtype)
     encode(x) -> rows          x ``[B, H, N*G, D]`` float -> rows ``[B, H, N, row_bytes]`` uint8
@@ -102,7 +102,6 @@ class Codec:
         self.spec = spec
         # validated here: a bad backend fails when the chain is built; one per tensor (their bits may differ)
         self.backends = {which: backends.get(spec.for_tensor(which)) for which in ("keys", "values")}
-        self.backend = self.backends["values"]
         self.group_size = spec.group_size
 
     def for_kv(self, key_dim: int, value_dim: int, dtype: torch.dtype) -> tuple["BlockCodec", "BlockCodec"]:

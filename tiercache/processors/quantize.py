@@ -95,7 +95,6 @@ class Quantize(KVLayer):
     def __init__(self, inner: KVLayer, codec: Codec, residual_length: int, sink_tokens: int = 0,
                  window: int | None = None, max_length: int | None = None, shared=None):
         self.codec = codec
-        self.backend = codec.backend
         self.g, self.r, self.sink_tokens = codec.group_size, residual_length, sink_tokens
         self.window, self.limit = window, max_length
         self.shared = shared
