@@ -134,34 +134,21 @@ def _config_out(args, name: str) -> Path:
 
 def _upgrade_search(model, tok, args) -> int:
     """int2 + 4 sinks on every layer; for each layer, int4 keys (or values) there alone: the gain,
-    scored in one pass (``sensitivity.one_pass_nll``) on ``--texts-per-kind`` train texts of each kind."""
+    scored in one pass (``sensitivity.one_pass_nll``) on train text (``--texts-per-kind`` of each
+    kind), on retrieval samples (``--objective retrieval``), or summed from saved searches
+    (``--from-gains``)."""
     base = {**realbench.K, "bits": 2, "sink_tokens": 4}
     upgrades = {"keys": {"key_bits": 4}, "values": {"value_bits": 4}}
-    n = args.texts_per_kind
-    gains = {u: [0.0] * model.config.num_hidden_layers for u in upgrades}
-    name = "int2-keys" if args.objective == "text" else "int2-keys-retrieval"
-    if args.from_gains:  # both objectives at once: the sum of saved searches' gains
-        name, files = "int2-keys-both", [f for f in args.from_gains.split(",") if f]
-        for f in files:
-            saved = json.loads(Path(f).read_text())["gains"]
-            gains = {u: [a + b for a, b in zip(gains[u], saved[u])] for u in gains}
-    for kind in texts.KINDS if args.objective == "text" and not args.from_gains else ():
-        ids = multitext.windows(tok, kind, n, args.prompt + args.tokens, split="train")  # [N, P + M]
-        pre = multitext.prefill(model, ids[:, : args.prompt])
-        found = sensitivity.upgrade_gains(model, [(pre, ids[:, args.prompt:], None)], base, upgrades, tick=lambda i, u, g: print(
-            f"{kind} layer {i} {u} int4: {100 * g:+.2f}% perplexity gained", flush=True))
-        for u in gains:  # the mean over the two kinds
-            gains[u] = [a + b / len(texts.KINDS) for a, b in zip(gains[u], found[u])]
-    if args.objective == "retrieval" and not args.from_gains:
-        items = []
-        for s in retrieval.samples(tok, args.contexts, args.depths, seed=1):
-            digits = torch.tensor(texts.encode(tok, " " + s.key))
-            mask = torch.cat([torch.zeros(len(s.question), dtype=torch.bool), torch.ones(len(digits), dtype=torch.bool)])
-            items.append((seeded.prefill(model, s.context), torch.cat([s.question, digits]), mask))
-        gains = sensitivity.upgrade_gains(model, items, base, upgrades, tick=lambda i, u, g: print(
-            f"retrieval layer {i} {u} int4: {100 * g:+.2f}% pass-key perplexity gained", flush=True))
-    what = {"int2-keys": "perplexity", "int2-keys-retrieval": "pass-key perplexity (retrieval samples)",
-            "int2-keys-both": f"summed gain of {len(args.from_gains.split(',')) if args.from_gains else 0} searches"}[name]
+    if args.from_gains:
+        files = [f for f in args.from_gains.split(",") if f]
+        name, what = "int2-keys-both", f"summed gain of {len(files)} searches"
+        gains = _saved_gains(files, upgrades, model.config.num_hidden_layers)
+    elif args.objective == "retrieval":
+        name, what = "int2-keys-retrieval", "pass-key perplexity (retrieval samples)"
+        gains = _retrieval_gains(model, tok, args, base, upgrades)
+    else:
+        name, what = "int2-keys", "perplexity"
+        gains = _text_gains(model, tok, args, base, upgrades)
     policy = sensitivity.mixed_upgrades(
         base, gains, upgrades, args.upgrade, name,
         f"int2 KIVI with 4 sinks; int4 for the {args.upgrade} layer keys (or values) whose int4 buys the most "
@@ -169,7 +156,6 @@ def _upgrade_search(model, tok, args) -> int:
     import yaml
 
     from tiercache import Policy
-
     from tiercache.model_spec import ModelSpec
 
     Policy.from_dict(policy).resolve(ModelSpec.from_config(model.config))  # a config that loads, for this model
@@ -183,6 +169,37 @@ def _upgrade_search(model, tok, args) -> int:
         print(f"{u}: best layers " + ", ".join(f"{i} ({100 * per[i]:+.1f}%)" for i in top))
     print(f"wrote {out}: {policy.get('overrides')}")
     return 0
+
+
+def _saved_gains(files, upgrades, layers: int) -> dict:
+    gains = {u: [0.0] * layers for u in upgrades}
+    for f in files:
+        saved = json.loads(Path(f).read_text())["gains"]
+        gains = {u: [a + b for a, b in zip(gains[u], saved[u])] for u in gains}
+    return gains
+
+
+def _text_gains(model, tok, args, base, upgrades) -> dict:
+    """The mean over the two kinds of text of each kind's gains."""
+    gains = {u: [0.0] * model.config.num_hidden_layers for u in upgrades}
+    for kind in texts.KINDS:
+        ids = multitext.windows(tok, kind, args.texts_per_kind, args.prompt + args.tokens, split="train")  # [N, P + M]
+        pre = multitext.prefill(model, ids[:, : args.prompt])
+        found = sensitivity.upgrade_gains(model, [(pre, ids[:, args.prompt:], None)], base, upgrades, tick=lambda i, u, g: print(
+            f"{kind} layer {i} {u} int4: {100 * g:+.2f}% perplexity gained", flush=True))
+        gains = {u: [a + b / len(texts.KINDS) for a, b in zip(gains[u], found[u])] for u in gains}
+    return gains
+
+
+def _retrieval_gains(model, tok, args, base, upgrades) -> dict:
+    """Only the pass key's digits count, in samples of seed 1 (not the keys bench_retrieval.py asks)."""
+    items = []
+    for s in retrieval.samples(tok, args.contexts, args.depths, seed=1):
+        digits = torch.tensor(texts.encode(tok, " " + s.key))
+        mask = torch.cat([torch.zeros(len(s.question), dtype=torch.bool), torch.ones(len(digits), dtype=torch.bool)])
+        items.append((seeded.prefill(model, s.context), torch.cat([s.question, digits]), mask))
+    return sensitivity.upgrade_gains(model, items, base, upgrades, tick=lambda i, u, g: print(
+        f"retrieval layer {i} {u} int4: {100 * g:+.2f}% pass-key perplexity gained", flush=True))
 
 
 if __name__ == "__main__":
