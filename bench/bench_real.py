@@ -10,6 +10,9 @@ policies and transformers' caches in the same run.
                                                         # the pass key's digits instead -> int2-keys-retrieval.yaml
     python bench/bench_real.py --upgrade-search --from-gains a/upgrade_gains.json,b/upgrade_gains.json
                                                         # both searches' gains summed -> int2-keys-both.yaml
+    python bench/bench_real.py --upgrade-search --objective joint --contexts 1024,2048,4096 --depths 0.2,0.5,0.8 \
+        --candidates-from a/upgrade_gains.json,b/upgrade_gains.json --candidates 10
+                                                        # greedy, text and retrieval at once -> int2-keys-joint.yaml
     python bench/bench_real.py --texts-per-kind 8 --tokens 256 --greedy-tokens 0 --contexts ""   # perplexity, 16 texts
 
 Per setup (``tiercache.bench.realbench``): KV bytes, decode tokens/s (teacher-forced steps),
@@ -72,9 +75,13 @@ def main(argv=None) -> int:
                    "int2 + sinks everywhere, on train text; writes configs/<model>/int2-keys.yaml")
     p.add_argument("--from-gains", default=None, help="--upgrade-search: no measuring; sum the gains of these "
                    "comma-separated upgrade_gains.json files (e.g. a text and a retrieval search) -> int2-keys-both.yaml")
-    p.add_argument("--objective", choices=["text", "retrieval"], default="text", help="--upgrade-search: the "
-                   "perplexity of train text, or of the pass key's digits in retrieval samples of --contexts at "
-                   "--depths (seed 1: not the keys bench_retrieval.py asks) -> int2-keys-retrieval.yaml")
+    p.add_argument("--objective", choices=["text", "retrieval", "joint"], default="text", help="--upgrade-search: "
+                   "the perplexity of train text, or of the pass key's digits in retrieval samples of --contexts at "
+                   "--depths (seed 1: not the keys bench_retrieval.py asks) -> int2-keys-retrieval.yaml; joint: "
+                   "both, picked greedily and measured again after each pick -> int2-keys-joint.yaml")
+    p.add_argument("--candidates-from", default=None, help="--objective joint: choose only among the top "
+                   "--candidates (layer, keys or values) of each of these comma-separated upgrade_gains.json files")
+    p.add_argument("--candidates", type=int, default=10, help="--candidates-from: how many of each file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -139,6 +146,15 @@ def _upgrade_search(model, tok, args) -> int:
     (``--from-gains``)."""
     base = {**realbench.K, "bits": 2, "sink_tokens": 4}
     upgrades = {"keys": {"key_bits": 4}, "values": {"value_bits": 4}}
+    if args.objective == "joint":
+        name = "int2-keys-joint"
+        picks = _joint_picks(model, tok, args, base, upgrades)
+        policy = sensitivity.policy_of(
+            base, [(p["layer"], p["upgrade"]) for p in picks[1:]], upgrades, name,
+            f"int2 KIVI with 4 sinks; int4 for {args.upgrade} layer keys (or values) picked one at a time, each "
+            f"the one that added to the picks before it best lowers train-text and pass-key perplexity together on "
+            f"{args.model} (bench/bench_real.py --upgrade-search --objective joint)")
+        return _write_search(model, args, name, policy, "upgrade_greedy.json", {"picks": picks})
     if args.from_gains:
         files = [f for f in args.from_gains.split(",") if f]
         name, what = "int2-keys-both", f"summed gain of {len(files)} searches"
@@ -153,6 +169,14 @@ def _upgrade_search(model, tok, args) -> int:
         base, gains, upgrades, args.upgrade, name,
         f"int2 KIVI with 4 sinks; int4 for the {args.upgrade} layer keys (or values) whose int4 buys the most "
         f"{what} on {args.model} where every other layer is int2 (bench/bench_real.py --upgrade-search)")
+    for u, per in gains.items():
+        top = sorted(range(len(per)), key=lambda i: -per[i])[:10]
+        print(f"{u}: best layers " + ", ".join(f"{i} ({100 * per[i]:+.1f}%)" for i in top))
+    return _write_search(model, args, name, policy, "upgrade_gains.json", {"gains": gains})
+
+
+def _write_search(model, args, name: str, policy: dict, record: str, found: dict) -> int:
+    """Check that ``policy`` loads for the model, write it as the config and ``found`` beside the run."""
     import yaml
 
     from tiercache import Policy
@@ -163,10 +187,7 @@ def _upgrade_search(model, tok, args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(policy, sort_keys=False))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "upgrade_gains.json").write_text(json.dumps({"model": args.model, "gains": gains}, indent=1))
-    for u, per in gains.items():
-        top = sorted(range(len(per)), key=lambda i: -per[i])[:10]
-        print(f"{u}: best layers " + ", ".join(f"{i} ({100 * per[i]:+.1f}%)" for i in top))
+    (Path(args.out) / record).write_text(json.dumps({"model": args.model, **found}, indent=1))
     print(f"wrote {out}: {policy.get('overrides')}")
     return 0
 
@@ -179,28 +200,53 @@ def _saved_gains(files, upgrades, layers: int) -> dict:
     return gains
 
 
-def _text_gains(model, tok, args, base, upgrades) -> dict:
-    """The mean over the two kinds of text of each kind's gains."""
-    gains = {u: [0.0] * model.config.num_hidden_layers for u in upgrades}
-    for kind in texts.KINDS:
-        ids = multitext.windows(tok, kind, args.texts_per_kind, args.prompt + args.tokens, split="train")  # [N, P + M]
-        pre = multitext.prefill(model, ids[:, : args.prompt])
-        found = sensitivity.upgrade_gains(model, [(pre, ids[:, args.prompt:], None)], base, upgrades, tick=lambda i, u, g: print(
-            f"{kind} layer {i} {u} int4: {100 * g:+.2f}% perplexity gained", flush=True))
-        gains = {u: [a + b / len(texts.KINDS) for a, b in zip(gains[u], found[u])] for u in gains}
-    return gains
+def _text_items(model, tok, args, kind: str) -> list:
+    ids = multitext.windows(tok, kind, args.texts_per_kind, args.prompt + args.tokens, split="train")  # [N, P + M]
+    return [(multitext.prefill(model, ids[:, : args.prompt]), ids[:, args.prompt:], None)]
 
 
-def _retrieval_gains(model, tok, args, base, upgrades) -> dict:
+def _retrieval_items(model, tok, args) -> list:
     """Only the pass key's digits count, in samples of seed 1 (not the keys bench_retrieval.py asks)."""
     items = []
     for s in retrieval.samples(tok, args.contexts, args.depths, seed=1):
         digits = torch.tensor(texts.encode(tok, " " + s.key))
         mask = torch.cat([torch.zeros(len(s.question), dtype=torch.bool), torch.ones(len(digits), dtype=torch.bool)])
         items.append((seeded.prefill(model, s.context), torch.cat([s.question, digits]), mask))
-    return sensitivity.upgrade_gains(model, items, base, upgrades, tick=lambda i, u, g: print(
+    return items
+
+
+def _text_gains(model, tok, args, base, upgrades) -> dict:
+    """The mean over the two kinds of text of each kind's gains."""
+    gains = {u: [0.0] * model.config.num_hidden_layers for u in upgrades}
+    for kind in texts.KINDS:
+        found = sensitivity.upgrade_gains(model, _text_items(model, tok, args, kind), base, upgrades, tick=lambda i, u, g:
+                                          print(f"{kind} layer {i} {u} int4: {100 * g:+.2f}% perplexity gained", flush=True))
+        gains = {u: [a + b / len(texts.KINDS) for a, b in zip(gains[u], found[u])] for u in gains}
+    return gains
+
+
+def _retrieval_gains(model, tok, args, base, upgrades) -> dict:
+    return sensitivity.upgrade_gains(model, _retrieval_items(model, tok, args), base, upgrades, tick=lambda i, u, g: print(
         f"retrieval layer {i} {u} int4: {100 * g:+.2f}% pass-key perplexity gained", flush=True))
 
+
+def _joint_picks(model, tok, args, base, upgrades) -> list:
+    """Greedy over train text (both kinds, pooled) and retrieval samples, each weighing the same."""
+    objectives = {"text": [it for kind in texts.KINDS for it in _text_items(model, tok, args, kind)],
+                  "retrieval": _retrieval_items(model, tok, args)}
+    candidates = None
+    if args.candidates_from:
+        candidates = sorted({(i, u) for f in args.candidates_from.split(",") if f for _, i, u in sorted(
+            ((g, i, u) for u, per in json.loads(Path(f).read_text())["gains"].items() for i, g in enumerate(per)),
+            reverse=True)[: args.candidates]})
+        print(f"candidates: {candidates}", flush=True)
+
+    def tick(p):
+        what = "base (int2 + sinks everywhere)" if p["layer"] is None else f"pick {p['layer']} {p['upgrade']}"
+        print(f"{what}: score {p['score']:.3f}, " + ", ".join(f"{o} ppl {v:.4f}" + (
+            f" (full precision {p['fp'][o]:.4f})" if "fp" in p else "") for o, v in p["ppl"].items()), flush=True)
+
+    return sensitivity.greedy_upgrades(model, objectives, base, upgrades, args.upgrade, candidates, tick)
 
 if __name__ == "__main__":
     sys.exit(main())

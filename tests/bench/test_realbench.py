@@ -3,6 +3,8 @@ retrieval samples put the needle where asked, sensitivity and the run's rows are
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import DynamicCache, QuantizedCache
@@ -116,6 +118,39 @@ def test_upgrade_gains_and_mixed_upgrades():
                                    {"layers": [2], "quantize": {"key_bits": 4}}]
     assert "overrides" not in sensitivity.mixed_upgrades(base, {"keys": [0.3]}, ups, 0, "m")
 
+
+
+def test_greedy_upgrades_picks_the_best_candidate_each_round_measured_again():
+    model = tiny_random()
+    ids = texts.token_ids(ByteTokenizer(), "code", 128, split="train")
+    pre = seeded.prefill(model, ids[:96])
+    mask = torch.zeros(32, dtype=torch.bool)
+    mask[-4:] = True
+    objectives = {"text": [(pre, ids[96:], None)], "tail": [(pre, ids[96:], mask)]}
+    base = {"bits": 2, "group_size": 16, "residual_length": 32}
+    ups = {"keys": {"key_bits": 8}, "values": {"value_bits": 8}}
+    picks = sensitivity.greedy_upgrades(model, objectives, base, ups, 2)
+    n = model.config.num_hidden_layers
+    assert picks[0]["layer"] is None and picks[0]["score"] == pytest.approx(2.0)  # the base keeps all of each loss
+    assert [sensitivity._ppl(model, objectives["text"], {"name": "fp"})] == [picks[0]["fp"]["text"]]
+    chosen = []
+    for pick in picks[1:]:
+        def score(c):
+            policy = sensitivity.policy_of(base, chosen + [c], ups, "t")
+            return sum(math.log(sensitivity._ppl(model, its, policy) / picks[0]["fp"][o])
+                       / math.log(picks[0]["ppl"][o] / picks[0]["fp"][o]) for o, its in objectives.items())
+        scores = {(i, u): score((i, u)) for i in range(n) for u in ups if (i, u) not in chosen}
+        assert (pick["layer"], pick["upgrade"]) == min(scores, key=scores.get)  # re-measured with the picks so far
+        assert pick["score"] == pytest.approx(scores[(pick["layer"], pick["upgrade"])])
+        chosen.append((pick["layer"], pick["upgrade"]))
+    assert len(set(chosen)) == 2
+    only = sensitivity.greedy_upgrades(model, objectives, base, ups, 5, candidates=[(1, "values")])
+    assert [(p["layer"], p["upgrade"]) for p in only[1:]] == [(1, "values")]  # never more picks than candidates
+    with pytest.raises(ValueError, match=r"candidates \[\(9, 'keys'\)\]"):
+        sensitivity.greedy_upgrades(model, objectives, base, ups, 1, candidates=[(9, "keys")])
+    exact = {**base, "residual_length": 256}  # the whole prompt stays in the residual: nothing lost to score
+    with pytest.raises(ValueError, match="loses nothing"):
+        sensitivity.greedy_upgrades(model, objectives, exact, ups, 1)
 
 def test_run_rows_on_the_tiny_model():
     model, tok = load_model("tiny")

@@ -44,6 +44,11 @@ SCRIPTS = [
                                    "--config-out", "out/r.yaml", "--out", "out"],
                  ["retrieval layer 0 keys int4:", "pass-key perplexity gained", "wrote out/r.yaml"],
                  id="real-upgrade-search-retrieval"),
+    pytest.param("bench_real.py", ["--model", "tiny", "--threads", "1", "--upgrade-search", "--objective", "joint",
+                                   "--prompt", "256", "--tokens", "16", "--texts-per-kind", "1", "--contexts", "400",
+                                   "--depths", "0.5", "--upgrade", "2", "--config-out", "out/j.yaml", "--out", "out"],
+                 ["base (int2 + sinks everywhere): score 2.000", "(full precision ", "retrieval ppl ", "wrote out/j.yaml"],
+                 id="real-upgrade-search-joint"),
     pytest.param("explore_kv_schemes.py", ["--model", "tiny", "--texts-per-kind", "1", "--prompt", "128", "--tokens",
                                            "16", "--threads", "1", "--schemes",
                                            "int2,K4V2 +sinks,int2 +sinks +Hadamard(V),int2 +sinks pre-RoPE keys"],
@@ -82,7 +87,8 @@ def test_gpu_suite_dry_run(tmp_path):
 
 def test_upgrade_search_from_saved_gains(tmp_path):
     """--from-gains sums saved searches (no model run of its own) into int2-keys-both: the sum of a
-    search with itself picks what that search picked."""
+    search with itself picks what that search picked; --candidates-from limits the joint greedy
+    search to a saved search's best."""
     import json
 
     import yaml
@@ -105,3 +111,16 @@ def test_upgrade_search_from_saved_gains(tmp_path):
     summed = json.loads((tmp_path / "out" / "upgrade_gains.json").read_text())["gains"]
     single = json.loads(saved.read_text())["gains"]
     assert summed["keys"] == [2 * g for g in single["keys"]]
+    joint = subprocess.run([sys.executable, str(BENCH / "bench_real.py"), *common, "--objective", "joint",
+                            "--prompt", "256", "--tokens", "16", "--texts-per-kind", "1", "--contexts", "400",
+                            "--depths", "0.5", "--candidates-from", str(saved), "--candidates", "1",
+                            "--config-out", "joint.yaml"],
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert joint.returncode == 0, joint.stderr[-3000:]
+    top = max((g, i, u) for u, per in single.items() for i, g in enumerate(per))
+    picked = yaml.safe_load((tmp_path / "joint.yaml").read_text())
+    # one candidate (the saved search's best) for three picks: that one alone, at int4
+    assert picked["name"] == "int2-keys-joint" and picked["overrides"] == [
+        {"layers": [top[1]], "quantize": {"key_bits" if top[2] == "keys" else "value_bits": 4}}]
+    picks = json.loads((tmp_path / "out" / "upgrade_greedy.json").read_text())["picks"]
+    assert [(p["layer"], p["upgrade"]) for p in picks] == [(None, None), (top[1], top[2])]

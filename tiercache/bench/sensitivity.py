@@ -26,6 +26,21 @@ Interface
 - ``mixed_upgrades(base, gains, upgrades, k, name) -> dict``: a policy dict: ``base`` everywhere,
   and the ``k`` (layer, upgrade) pairs of the largest gain applied, merged per layer into one
   override each (a layer given keys and values upgrades gets both).
+- ``greedy_upgrades(model, objectives, base, upgrades, k, candidates=None, tick=None) -> list[dict]``:
+  ``k`` (layer, upgrade) picks made one at a time, each the candidate that, added to the picks
+  so far, scores best, measured again after every pick (so it sees how layers interact, which
+  the one-shot ``upgrade_gains`` ranking cannot). ``objectives``: name -> items (as
+  ``upgrade_gains`` takes them), e.g. train text and retrieval samples. The score of a policy is
+  the sum over objectives of the share of the base's loss it keeps,
+  ``(log ppl - log ppl_fp) / (log ppl_base - log ppl_fp)`` (per objective 1 for the base, 0 for
+  full precision), so objectives of different scales weigh the same; an objective the base does not
+  lose on (gap <= 0) is refused. ``candidates``: ``(layer, upgrade name)`` pairs to choose from
+  (default every layer with every upgrade). Returns the picks in order, each
+  ``{"layer", "upgrade", "score", "ppl": {objective: ppl}}``, after a first entry for the base
+  (``layer`` None) with the full-precision perplexities under ``"fp"``; ``tick(entry)`` after
+  the base and after each pick.
+- ``policy_of(base, picks, upgrades, name, description="") -> dict``: the policy dict of
+  ``(layer, upgrade name)`` pairs (what ``mixed_upgrades`` and the greedy picks become).
 
 Measure on text that the evaluation does not read (``texts`` split ``"train"``).
 """
@@ -78,35 +93,36 @@ def one_pass_nll(model, cache, prefilled, continuation: torch.Tensor) -> torch.T
     return nll if continuation.dim() > 1 else nll[0]
 
 
-def upgrade_gains(model, items, base: dict, upgrades: dict, tick=None) -> dict:
+def _ppl(model, items, policy) -> float:
+    """Perplexity over every counted token of every item, each scored by ``one_pass_nll``."""
     from tiercache import TieredCache
 
-    def ppl(policy) -> float:
-        total, count = 0.0, 0
-        for prefilled, continuation, mask in items:
-            cache = seeded.seed(TieredCache.from_policy(policy, model.config), prefilled)
-            nll = one_pass_nll(model, cache, prefilled, continuation)
-            cache.close()
-            nll = nll if mask is None else nll[mask]
-            total, count = total + nll.sum().item(), count + nll.numel()
-        return math.exp(total / count)
+    total, count = 0.0, 0
+    for prefilled, continuation, mask in items:
+        cache = seeded.seed(TieredCache.from_policy(policy, model.config), prefilled)
+        nll = one_pass_nll(model, cache, prefilled, continuation)
+        cache.close()
+        nll = nll if mask is None else nll[mask]
+        total, count = total + nll.sum().item(), count + nll.numel()
+    return math.exp(total / count)
 
-    ref = ppl({"name": "base", "quantize": dict(base)})
+
+def upgrade_gains(model, items, base: dict, upgrades: dict, tick=None) -> dict:
+    ref = _ppl(model, items, {"name": "base", "quantize": dict(base)})
     gains = {name: [] for name in upgrades}
     for i in range(len(items[0][0].kv)):
         for name, upgrade in upgrades.items():
             policy = {"name": f"{name}-{i}", "quantize": dict(base),
                       "overrides": [{"layers": [i], "quantize": {**base, **upgrade}}]}
-            gains[name].append(ref / ppl(policy) - 1)
+            gains[name].append(ref / _ppl(model, items, policy) - 1)
             if tick:
                 tick(i, name, gains[name][-1])
     return gains
 
 
-def mixed_upgrades(base: dict, gains: dict, upgrades: dict, k: int, name: str, description: str = "") -> dict:
-    pairs = sorted(((g, i, n) for n, per in gains.items() for i, g in enumerate(per)), key=lambda p: -p[0])[:k]
+def policy_of(base: dict, picks, upgrades: dict, name: str, description: str = "") -> dict:
     per_layer: dict[int, dict] = {}
-    for _, i, n in pairs:
+    for i, n in picks:
         per_layer.setdefault(i, {}).update(upgrades[n])
     policy = {"name": name, "description": description, "quantize": dict(base)}
     groups: dict[tuple, list[int]] = {}
@@ -115,3 +131,45 @@ def mixed_upgrades(base: dict, gains: dict, upgrades: dict, k: int, name: str, d
     if groups:
         policy["overrides"] = [{"layers": layers, "quantize": dict(up)} for up, layers in groups.items()]
     return policy
+
+
+def mixed_upgrades(base: dict, gains: dict, upgrades: dict, k: int, name: str, description: str = "") -> dict:
+    pairs = sorted(((g, i, n) for n, per in gains.items() for i, g in enumerate(per)), key=lambda p: -p[0])[:k]
+    return policy_of(base, [(i, n) for _, i, n in pairs], upgrades, name, description)
+
+
+def greedy_upgrades(model, objectives: dict, base: dict, upgrades: dict, k: int, candidates=None,
+                    tick=None) -> list[dict]:
+    layers = len(next(iter(objectives.values()))[0][0].kv)
+    pool = [(i, n) for i in range(layers) for n in upgrades] if candidates is None else [tuple(c) for c in candidates]
+    bad = [c for c in pool if c[1] not in upgrades or not 0 <= c[0] < layers]
+    if bad:
+        raise ValueError(f"candidates {bad}: a candidate is (layer in 0..{layers - 1}, one of {sorted(upgrades)})")
+    fp = {o: _ppl(model, items, {"name": "fp"}) for o, items in objectives.items()}
+    at_base = {o: _ppl(model, items, {"name": "base", "quantize": dict(base)}) for o, items in objectives.items()}
+    flat = [o for o in objectives if at_base[o] <= fp[o]]
+    if flat:
+        raise ValueError(f"objectives {flat}: the base policy loses nothing there (ppl {[at_base[o] for o in flat]} "
+                         f"<= full precision {[fp[o] for o in flat]}), so no upgrade can be scored on them")
+
+    def score(ppl: dict) -> float:
+        return sum(math.log(ppl[o] / fp[o]) / math.log(at_base[o] / fp[o]) for o in objectives)
+
+    picks = [{"layer": None, "upgrade": None, "score": score(at_base), "ppl": at_base, "fp": fp}]
+    if tick:
+        tick(picks[0])
+    chosen: list[tuple] = []
+    for _ in range(min(k, len(pool))):
+        best = None
+        for c in pool:
+            if c in chosen:
+                continue
+            policy = policy_of(base, chosen + [c], upgrades, f"greedy-{len(chosen)}")
+            ppl = {o: _ppl(model, items, policy) for o, items in objectives.items()}
+            if best is None or score(ppl) < best[0]:
+                best = (score(ppl), c, ppl)
+        chosen.append(best[1])
+        picks.append({"layer": best[1][0], "upgrade": best[1][1], "score": best[0], "ppl": best[2]})
+        if tick:
+            tick(picks[-1])
+    return picks
