@@ -82,6 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("--candidates-from", default=None, help="--objective joint: choose only among the top "
                    "--candidates (layer, keys or values) of each of these comma-separated upgrade_gains.json files")
     p.add_argument("--candidates", type=int, default=10, help="--candidates-from: how many of each file")
+    p.add_argument("--start-from", default=None, help="--objective joint: an earlier run's upgrade_greedy.json; its "
+                   "picks are kept and the search goes on from them, to --upgrade picks in all")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -151,7 +153,7 @@ def _upgrade_search(model, tok, args) -> int:
         picks = _joint_picks(model, tok, args, base, upgrades)
         policy = sensitivity.policy_of(
             base, [(p["layer"], p["upgrade"]) for p in picks[1:]], upgrades, name,
-            f"int2 KIVI with 4 sinks; int4 for {args.upgrade} layer keys (or values) picked one at a time, each "
+            f"int2 KIVI with 4 sinks; int4 for {len(picks) - 1} layer keys (or values) picked one at a time, each "
             f"the one that added to the picks before it best lowers train-text and pass-key perplexity together on "
             f"{args.model} (bench/bench_real.py --upgrade-search --objective joint)")
         return _write_search(model, args, name, policy, "upgrade_greedy.json", {"picks": picks})
@@ -241,12 +243,18 @@ def _joint_picks(model, tok, args, base, upgrades) -> list:
             reverse=True)[: args.candidates]})
         print(f"candidates: {candidates}", flush=True)
 
+    start = []
+    if args.start_from:
+        start = [(p["layer"], p["upgrade"]) for p in json.loads(Path(args.start_from).read_text())["picks"][1:]]
+        print(f"kept from {args.start_from}: {start}", flush=True)
+
     def tick(p):
         what = "base (int2 + sinks everywhere)" if p["layer"] is None else f"pick {p['layer']} {p['upgrade']}"
         print(f"{what}: score {p['score']:.3f}, " + ", ".join(f"{o} ppl {v:.4f}" + (
             f" (full precision {p['fp'][o]:.4f})" if "fp" in p else "") for o, v in p["ppl"].items()), flush=True)
 
-    return sensitivity.greedy_upgrades(model, objectives, base, upgrades, args.upgrade, candidates, tick)
+    return sensitivity.greedy_upgrades(model, objectives, base, upgrades, args.upgrade - len(start), candidates, tick,
+                                       start)
 
 if __name__ == "__main__":
     sys.exit(main())

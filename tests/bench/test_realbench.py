@@ -144,6 +144,10 @@ def test_greedy_upgrades_picks_the_best_candidate_each_round_measured_again():
         assert pick["score"] == pytest.approx(scores[(pick["layer"], pick["upgrade"])])
         chosen.append((pick["layer"], pick["upgrade"]))
     assert len(set(chosen)) == 2
+    # going on from the first pick finds the same second pick (the search is deterministic)
+    resumed = sensitivity.greedy_upgrades(model, objectives, base, ups, 1, start=[chosen[0]])
+    assert [(p["layer"], p["upgrade"], p.get("given")) for p in resumed[1:]] == [(*chosen[0], True), (*chosen[1], None)]
+    assert resumed[2]["score"] == pytest.approx(picks[2]["score"])
     only = sensitivity.greedy_upgrades(model, objectives, base, ups, 5, candidates=[(1, "values")])
     assert [(p["layer"], p["upgrade"]) for p in only[1:]] == [(1, "values")]  # never more picks than candidates
     with pytest.raises(ValueError, match=r"candidates \[\(9, 'keys'\)\]"):

@@ -124,3 +124,13 @@ def test_upgrade_search_from_saved_gains(tmp_path):
         {"layers": [top[1]], "quantize": {"key_bits" if top[2] == "keys" else "value_bits": 4}}]
     picks = json.loads((tmp_path / "out" / "upgrade_greedy.json").read_text())["picks"]
     assert [(p["layer"], p["upgrade"]) for p in picks] == [(None, None), (top[1], top[2])]
+    (tmp_path / "greedy.json").write_text((tmp_path / "out" / "upgrade_greedy.json").read_text())
+    again = subprocess.run([sys.executable, str(BENCH / "bench_real.py"), *common[:5], "--upgrade", "2", "--out", "out",
+                            "--objective", "joint", "--prompt", "256", "--tokens", "16", "--texts-per-kind", "1",
+                            "--contexts", "400", "--depths", "0.5", "--start-from", "greedy.json",
+                            "--config-out", "again.yaml"],
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    picks = json.loads((tmp_path / "out" / "upgrade_greedy.json").read_text())["picks"]
+    assert picks[1] == {"layer": top[1], "upgrade": top[2], "score": None, "ppl": None, "given": True}
+    assert len(picks) == 3 and (picks[2]["layer"], picks[2]["upgrade"]) != (top[1], top[2])  # one more, a new one

@@ -75,6 +75,8 @@ SETUPS.update({
                          "smollm2-135m/int2-keys-both12.yaml"),
     "int2-keys-top4": ("int2, 4 sinks, int4 keys on the search's top 4 layers (17, 18, 20, 23)",
                        "smollm2-135m/int2-keys-top4.yaml"),
+    "int2-keys-joint": ("int2, 4 sinks, int4 on the 8 tensors picked greedily for text and retrieval together",
+                        "smollm2-135m/int2-keys-joint.yaml"),
 })
 
 

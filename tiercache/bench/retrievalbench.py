@@ -43,6 +43,8 @@ SETUPS = {
     "int2-keys-retrieval": "smollm2-135m/int2-keys-retrieval.yaml",
     "int2-keys-both": "smollm2-135m/int2-keys-both.yaml",
     "int2-keys-both12": "smollm2-135m/int2-keys-both12.yaml",
+    "int2-keys-joint": "smollm2-135m/int2-keys-joint.yaml",
+    "int4 +sinks": {**_K, "bits": 4, "sink_tokens": 4},
 }
 DEFAULT = tuple(SETUPS)
 

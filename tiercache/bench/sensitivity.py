@@ -26,7 +26,7 @@ Interface
 - ``mixed_upgrades(base, gains, upgrades, k, name) -> dict``: a policy dict: ``base`` everywhere,
   and the ``k`` (layer, upgrade) pairs of the largest gain applied, merged per layer into one
   override each (a layer given keys and values upgrades gets both).
-- ``greedy_upgrades(model, objectives, base, upgrades, k, candidates=None, tick=None) -> list[dict]``:
+- ``greedy_upgrades(model, objectives, base, upgrades, k, candidates=None, tick=None, start=()) -> list[dict]``:
   ``k`` (layer, upgrade) picks made one at a time, each the candidate that, added to the picks
   so far, scores best, measured again after every pick (so it sees how layers interact, which
   the one-shot ``upgrade_gains`` ranking cannot). ``objectives``: name -> items (as
@@ -38,7 +38,9 @@ Interface
   (default every layer with every upgrade). Returns the picks in order, each
   ``{"layer", "upgrade", "score", "ppl": {objective: ppl}}``, after a first entry for the base
   (``layer`` None) with the full-precision perplexities under ``"fp"``; ``tick(entry)`` after
-  the base and after each pick.
+  the base and after each pick. ``start``: pairs taken as picked already (an earlier search's
+  picks, to go on from them): listed after the base with ``"given": True`` (score and ppl
+  None), then up to ``k`` new picks.
 - ``policy_of(base, picks, upgrades, name, description="") -> dict``: the policy dict of
   ``(layer, upgrade name)`` pairs (what ``mixed_upgrades`` and the greedy picks become).
 
@@ -139,10 +141,10 @@ def mixed_upgrades(base: dict, gains: dict, upgrades: dict, k: int, name: str, d
 
 
 def greedy_upgrades(model, objectives: dict, base: dict, upgrades: dict, k: int, candidates=None,
-                    tick=None) -> list[dict]:
+                    tick=None, start=()) -> list[dict]:
     layers = len(next(iter(objectives.values()))[0][0].kv)
     pool = [(i, n) for i in range(layers) for n in upgrades] if candidates is None else [tuple(c) for c in candidates]
-    bad = [c for c in pool if c[1] not in upgrades or not 0 <= c[0] < layers]
+    bad = [c for c in [*pool, *map(tuple, start)] if c[1] not in upgrades or not 0 <= c[0] < layers]
     if bad:
         raise ValueError(f"candidates {bad}: a candidate is (layer in 0..{layers - 1}, one of {sorted(upgrades)})")
     fp = {o: _ppl(model, items, {"name": "fp"}) for o, items in objectives.items()}
@@ -159,7 +161,11 @@ def greedy_upgrades(model, objectives: dict, base: dict, upgrades: dict, k: int,
     if tick:
         tick(picks[0])
     chosen: list[tuple] = []
-    for _ in range(min(k, len(pool))):
+    for c in map(tuple, start):
+        if c not in chosen:
+            chosen.append(c)
+            picks.append({"layer": c[0], "upgrade": c[1], "score": None, "ppl": None, "given": True})
+    for _ in range(min(k, len([c for c in pool if c not in chosen]))):
         best = None
         for c in pool:
             if c in chosen:
