@@ -13,6 +13,8 @@ policies and transformers' caches in the same run.
     python bench/bench_real.py --upgrade-search --objective joint --contexts 1024,2048,4096 --depths 0.2,0.5,0.8 \
         --candidates-from a/upgrade_gains.json,b/upgrade_gains.json --candidates 10
                                                         # greedy, text and retrieval at once -> int2-keys-joint.yaml
+    python bench/bench_real.py --upgrade-search --objective joint ... --start-from out/real/upgrade_greedy.json \
+        --upgrade 12 --config-out configs/smollm2-135m/int2-keys-joint12.yaml   # go on from those picks to 12
     python bench/bench_real.py --texts-per-kind 8 --tokens 256 --greedy-tokens 0 --contexts ""   # perplexity, 16 texts
 
 Per setup (``tiercache.bench.realbench``): KV bytes, decode tokens/s (teacher-forced steps),
@@ -178,7 +180,8 @@ def _upgrade_search(model, tok, args) -> int:
 
 
 def _write_search(model, args, name: str, policy: dict, record: str, found: dict) -> int:
-    """Check that ``policy`` loads for the model, write it as the config and ``found`` beside the run."""
+    """Check that ``policy`` loads for the model, write it as the config (named after its file, as a
+    config's name is) and ``found`` beside the run."""
     import yaml
 
     from tiercache import Policy
@@ -186,6 +189,7 @@ def _write_search(model, args, name: str, policy: dict, record: str, found: dict
 
     Policy.from_dict(policy).resolve(ModelSpec.from_config(model.config))  # a config that loads, for this model
     out = _config_out(args, f"{name}.yaml")
+    policy = {**policy, "name": out.stem}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(policy, sort_keys=False))
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -107,7 +107,7 @@ def test_upgrade_search_from_saved_gains(tmp_path):
                           capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert both.returncode == 0, both.stderr[-3000:]
     one, two = (yaml.safe_load((tmp_path / f).read_text()) for f in ("one.yaml", "both.yaml"))
-    assert two["name"] == "int2-keys-both" and two["overrides"] == one["overrides"]
+    assert two["name"] == "both" and two["overrides"] == one["overrides"]
     summed = json.loads((tmp_path / "out" / "upgrade_gains.json").read_text())["gains"]
     single = json.loads(saved.read_text())["gains"]
     assert summed["keys"] == [2 * g for g in single["keys"]]
@@ -119,8 +119,8 @@ def test_upgrade_search_from_saved_gains(tmp_path):
     assert joint.returncode == 0, joint.stderr[-3000:]
     top = max((g, i, u) for u, per in single.items() for i, g in enumerate(per))
     picked = yaml.safe_load((tmp_path / "joint.yaml").read_text())
-    # one candidate (the saved search's best) for three picks: that one alone, at int4
-    assert picked["name"] == "int2-keys-joint" and picked["overrides"] == [
+    # one candidate (the saved search's best) for three picks: that one alone, at int4; a config is named after its file
+    assert picked["name"] == "joint" and picked["overrides"] == [
         {"layers": [top[1]], "quantize": {"key_bits" if top[2] == "keys" else "value_bits": 4}}]
     picks = json.loads((tmp_path / "out" / "upgrade_greedy.json").read_text())["picks"]
     assert [(p["layer"], p["upgrade"]) for p in picks] == [(None, None), (top[1], top[2])]

@@ -77,6 +77,8 @@ SETUPS.update({
                        "smollm2-135m/int2-keys-top4.yaml"),
     "int2-keys-joint": ("int2, 4 sinks, int4 on the 8 tensors picked greedily for text and retrieval together",
                         "smollm2-135m/int2-keys-joint.yaml"),
+    "int2-keys-joint12": ("int2, 4 sinks, int4 on the 12 tensors of the joint search gone on to 12 picks",
+                          "smollm2-135m/int2-keys-joint12.yaml"),
 })
 
 

@@ -33,6 +33,7 @@ SETUPS = {
     "QuantizedCache quanto int2": "quanto-int2",
     "int4-kivi": "int4-kivi.yaml",
     "int4-sinks": "int4-sinks.yaml",
+    "int4 +sinks +clip": {**_K, "bits": 4, "sink_tokens": 4, "clip": "mse"},  # int4-sinks.yaml before it dropped clipping
     "int2 min/max": {**_K, "bits": 2},
     "int2-kivi": "int2-kivi.yaml",
     "int2-sinks": "int2-sinks.yaml",
@@ -44,7 +45,7 @@ SETUPS = {
     "int2-keys-both": "smollm2-135m/int2-keys-both.yaml",
     "int2-keys-both12": "smollm2-135m/int2-keys-both12.yaml",
     "int2-keys-joint": "smollm2-135m/int2-keys-joint.yaml",
-    "int4 +sinks": {**_K, "bits": 4, "sink_tokens": 4},
+    "int2-keys-joint12": "smollm2-135m/int2-keys-joint12.yaml",
 }
 DEFAULT = tuple(SETUPS)
 
