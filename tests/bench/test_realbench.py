@@ -148,7 +148,7 @@ def test_greedy_upgrades_picks_the_best_candidate_each_round_measured_again():
     resumed = sensitivity.greedy_upgrades(model, objectives, base, ups, 1, start=[chosen[0]])
     assert [(p["layer"], p["upgrade"], p.get("given")) for p in resumed[1:]] == [(*chosen[0], True), (*chosen[1], None)]
     assert resumed[2]["score"] == pytest.approx(picks[2]["score"])
-    only = sensitivity.greedy_upgrades(model, objectives, base, ups, 5, candidates=[(1, "values")])
+    only = sensitivity.greedy_upgrades(model, objectives, base, ups, 5, candidates=[(1, "values"), (1, "values")])
     assert [(p["layer"], p["upgrade"]) for p in only[1:]] == [(1, "values")]  # never more picks than candidates
     with pytest.raises(ValueError, match=r"candidates \[\(9, 'keys'\)\]"):
         sensitivity.greedy_upgrades(model, objectives, base, ups, 1, candidates=[(9, "keys")])

@@ -144,6 +144,7 @@ def greedy_upgrades(model, objectives: dict, base: dict, upgrades: dict, k: int,
                     tick=None, start=()) -> list[dict]:
     layers = len(next(iter(objectives.values()))[0][0].kv)
     pool = [(i, n) for i in range(layers) for n in upgrades] if candidates is None else [tuple(c) for c in candidates]
+    pool = list(dict.fromkeys(pool))  # each candidate once
     bad = [c for c in [*pool, *map(tuple, start)] if c[1] not in upgrades or not 0 <= c[0] < layers]
     if bad:
         raise ValueError(f"candidates {bad}: a candidate is (layer in 0..{layers - 1}, one of {sorted(upgrades)})")
