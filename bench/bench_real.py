@@ -81,6 +81,8 @@ def main(argv=None) -> int:
                    "the perplexity of train text, or of the pass key's digits in retrieval samples of --contexts at "
                    "--depths (seed 1: not the keys bench_retrieval.py asks) -> int2-keys-retrieval.yaml; joint: "
                    "both, picked greedily and measured again after each pick -> int2-keys-joint.yaml")
+    p.add_argument("--retrieval-tokens", choices=["digits", "first"], default="digits", help="--objective retrieval "
+                   "/ joint: score every digit of the pass key, or only its first (where a derailed answer fails)")
     p.add_argument("--candidates-from", default=None, help="--objective joint: choose only among the top "
                    "--candidates (layer, keys or values) of each of these comma-separated upgrade_gains.json files")
     p.add_argument("--candidates", type=int, default=10, help="--candidates-from: how many of each file")
@@ -212,11 +214,15 @@ def _text_items(model, tok, args, kind: str) -> list:
 
 
 def _retrieval_items(model, tok, args) -> list:
-    """Only the pass key's digits count, in samples of seed 1 (not the keys bench_retrieval.py asks)."""
+    """Only the pass key's digits count (``--retrieval-tokens first``: its first token only), in samples of
+    seed 1 (not the keys bench_retrieval.py asks)."""
     items = []
     for s in retrieval.samples(tok, args.contexts, args.depths, seed=1):
         digits = torch.tensor(texts.encode(tok, " " + s.key))
-        mask = torch.cat([torch.zeros(len(s.question), dtype=torch.bool), torch.ones(len(digits), dtype=torch.bool)])
+        counted = torch.ones(len(digits), dtype=torch.bool)
+        if args.retrieval_tokens == "first":
+            counted[1:] = False  # the first token of the answer only
+        mask = torch.cat([torch.zeros(len(s.question), dtype=torch.bool), counted])
         items.append((seeded.prefill(model, s.context), torch.cat([s.question, digits]), mask))
     return items
 
@@ -246,6 +252,8 @@ def _joint_picks(model, tok, args, base, upgrades) -> list:
             ((g, i, u) for u, per in json.loads(Path(f).read_text())["gains"].items() for i, g in enumerate(per)),
             reverse=True)[: args.candidates]})
         print(f"candidates: {candidates}", flush=True)
+    print(f"retrieval objective: {len(objectives['retrieval'])} samples, "
+          f"{'the first token' if args.retrieval_tokens == 'first' else 'every digit'} of each key", flush=True)
 
     start = []
     if args.start_from:

@@ -47,7 +47,8 @@ SCRIPTS = [
     pytest.param("bench_real.py", ["--model", "tiny", "--threads", "1", "--upgrade-search", "--objective", "joint",
                                    "--prompt", "256", "--tokens", "16", "--texts-per-kind", "1", "--contexts", "400",
                                    "--depths", "0.5", "--upgrade", "2", "--config-out", "out/j.yaml", "--out", "out"],
-                 ["base (int2 + sinks everywhere): score 2.000", "(full precision ", "retrieval ppl ", "wrote out/j.yaml"],
+                 ["base (int2 + sinks everywhere): score 2.000", "(full precision ", "retrieval ppl ", "wrote out/j.yaml",
+                  "retrieval objective: 1 samples, every digit of each key"],
                  id="real-upgrade-search-joint"),
     pytest.param("explore_kv_schemes.py", ["--model", "tiny", "--texts-per-kind", "1", "--prompt", "128", "--tokens",
                                            "16", "--threads", "1", "--schemes",
@@ -134,3 +135,24 @@ def test_upgrade_search_from_saved_gains(tmp_path):
     picks = json.loads((tmp_path / "out" / "upgrade_greedy.json").read_text())["picks"]
     assert picks[1] == {"layer": top[1], "upgrade": top[2], "score": None, "ppl": None, "given": True}
     assert len(picks) == 3 and (picks[2]["layer"], picks[2]["upgrade"]) != (top[1], top[2])  # one more, a new one
+
+
+def test_joint_search_scores_the_first_token_or_every_digit(tmp_path):
+    """--retrieval-tokens first scores only the key's first token: the same text objective, another
+    retrieval perplexity at the base (no picks asked)."""
+    import re
+
+    path = os.pathsep.join(p for p in (str(BENCH.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    base = {}
+    for mode in ("digits", "first"):
+        run = subprocess.run([sys.executable, str(BENCH / "bench_real.py"), "--model", "tiny", "--threads", "1",
+                              "--upgrade-search", "--objective", "joint", "--upgrade", "0", "--prompt", "256",
+                              "--tokens", "16", "--texts-per-kind", "1", "--contexts", "400", "--depths", "0.5",
+                              "--retrieval-tokens", mode, "--config-out", f"{mode}.yaml", "--out", mode],
+                             capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        line = next(x for x in run.stdout.splitlines() if x.startswith("base "))
+        base[mode] = [float(v) for v in re.findall(r"ppl ([0-9.]+)", line)]  # text, retrieval
+    assert "the first token of each key" in run.stdout
+    assert base["first"][0] == base["digits"][0] and base["first"][1] != base["digits"][1]
