@@ -200,10 +200,15 @@ def _write_search(model, args, name: str, policy: dict, record: str, found: dict
     return 0
 
 
+def _load_gains(path: str) -> dict:
+    """The gains of a saved search (its upgrade_gains.json)."""
+    return json.loads(Path(path).read_text())["gains"]
+
+
 def _saved_gains(files, upgrades, layers: int) -> dict:
     gains = {u: [0.0] * layers for u in upgrades}
     for f in files:
-        saved = json.loads(Path(f).read_text())["gains"]
+        saved = _load_gains(f)
         gains = {u: [a + b for a, b in zip(gains[u], saved[u])] for u in gains}
     return gains
 
@@ -249,8 +254,7 @@ def _joint_picks(model, tok, args, base, upgrades) -> list:
     candidates = None
     if args.candidates_from:
         candidates = sorted({(i, u) for f in args.candidates_from.split(",") if f for _, i, u in sorted(
-            ((g, i, u) for u, per in json.loads(Path(f).read_text())["gains"].items() for i, g in enumerate(per)),
-            reverse=True)[: args.candidates]})
+            ((g, i, u) for u, per in _load_gains(f).items() for i, g in enumerate(per)), reverse=True)[: args.candidates]})
         print(f"candidates: {candidates}", flush=True)
     print(f"retrieval objective: {len(objectives['retrieval'])} samples, "
           f"{'the first token' if args.retrieval_tokens == 'first' else 'every digit'} of each key", flush=True)

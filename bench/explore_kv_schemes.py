@@ -29,11 +29,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tiercache
 
-from tiercache.bench import multitext, texts  # noqa: E402
+from tiercache.bench import multitext, seeded, sensitivity, texts  # noqa: E402
 from tiercache.bench.tiny import load_model  # noqa: E402
 
 G = 64
@@ -151,17 +150,12 @@ def apply(scheme: dict, kv: list, config) -> list:
     return out
 
 
-@torch.no_grad()
-def score(model, kv: list, ids: torch.Tensor, last_logits: torch.Tensor) -> float:
-    """Mean nll of ``ids`` ``[M]`` after a past of ``kv``, in one forward."""
+def score(model, kv: list, ids: torch.Tensor, pre: seeded.Prefilled) -> float:
+    """Mean nll of ``ids`` ``[M]`` after a past of ``kv`` (``pre``'s prompt, as quantized), in one forward."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
-    for i, (k, v) in enumerate(kv):
-        cache.update(k, v, i)
-    logits = model(input_ids=ids[None, :-1], past_key_values=cache, use_cache=True).logits[0]
-    logits = torch.cat([last_logits[None], logits]).float()
-    return F.cross_entropy(logits, ids).item()
+    past = seeded.Prefilled(kv, pre.logits)
+    return sensitivity.one_pass_nll(model, seeded.seed(DynamicCache(config=model.config), past), past, ids).mean().item()
 
 
 def main(argv=None) -> int:
@@ -186,10 +180,10 @@ def main(argv=None) -> int:
         for row in ids:
             pre = multitext.prefill(model, row[None, : args.prompt])
             kv = [(k.clone(), v.clone()) for k, v in pre.kv]
-            nll["full precision"].setdefault(kind, []).append(score(model, kv, row[args.prompt:], pre.logits[0]))
+            nll["full precision"].setdefault(kind, []).append(score(model, kv, row[args.prompt:], pre))
             for n in names:
                 nll[n].setdefault(kind, []).append(score(model, apply(SCHEMES[n], kv, model.config),
-                                                         row[args.prompt:], pre.logits[0]))
+                                                         row[args.prompt:], pre))
     print(f"{args.model}, {args.split} split, {args.texts_per_kind} texts per kind, prompt {args.prompt}, "
           f"{args.tokens} tokens scored in one pass (fake quantization: a proxy, not the cache)\n")
     print("| scheme | code: mean Δ (worst text) | prose: mean Δ (worst text) |\n|---|---|---|")

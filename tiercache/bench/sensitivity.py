@@ -114,8 +114,7 @@ def upgrade_gains(model, items, base: dict, upgrades: dict, tick=None) -> dict:
     gains = {name: [] for name in upgrades}
     for i in range(len(items[0][0].kv)):
         for name, upgrade in upgrades.items():
-            policy = {"name": f"{name}-{i}", "quantize": dict(base),
-                      "overrides": [{"layers": [i], "quantize": {**base, **upgrade}}]}
+            policy = policy_of(base, [(i, name)], upgrades, f"{name}-{i}")
             gains[name].append(ref / _ppl(model, items, policy) - 1)
             if tick:
                 tick(i, name, gains[name][-1])
@@ -173,8 +172,9 @@ def greedy_upgrades(model, objectives: dict, base: dict, upgrades: dict, k: int,
                 continue
             policy = policy_of(base, chosen + [c], upgrades, f"greedy-{len(chosen)}")
             ppl = {o: _ppl(model, items, policy) for o, items in objectives.items()}
-            if best is None or score(ppl) < best[0]:
-                best = (score(ppl), c, ppl)
+            s = score(ppl)
+            if best is None or s < best[0]:
+                best = (s, c, ppl)
         chosen.append(best[1])
         picks.append({"layer": best[1][0], "upgrade": best[1][1], "score": best[0], "ppl": best[2]})
         if tick:
