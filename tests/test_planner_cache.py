@@ -61,6 +61,8 @@ POLICIES = {
     "int4-first-last-fp": {"quantize": Q4, "overrides": [{"layers": [0, -1], "quantize": None}]},
     "int2-keys4-some-host": {"quantize": {**Q4, "bits": 2}, "offload": {"device": "cpu"},
                              "overrides": [{"layers": [0], "quantize": {"key_bits": 4}}]},
+    "int2-meta8-keys8-some": {"quantize": {**Q4, "bits": 2, "meta_bits": 8, "value_axis": "channel"},
+                              "overrides": [{"layers": [0], "quantize": {"key_bits": 8}}]},
     "int4-host-sliding-offloaded": {
         "quantize": Q4, "offload": {"device": "cpu"},
         "overrides": [{"layer_type": "sliding_attention", "offload": {"device": "cpu"}}]},

@@ -77,6 +77,8 @@ class QuantizePolicy:
     # least squared error (mse: keys and values; mse-values / mse-keys: that tensor only, the other min/max)
     key_bits: int | None = None  # the keys' bits when not ``bits`` (keys are the sensitive half: e.g. 4 on a few layers)
     value_bits: int | None = None  # the values' bits when not ``bits``
+    meta_bits: int | None = None  # each group's scale and offset: None in the model dtype; 8 as one byte each
+    # on grids of the block (processors/metacodes.py): 0.25 bits per element for groups of 64 instead of 0.5 in bf16
 
     def bits_of(self, which: str) -> int:
         """Bits of ``"keys"`` or ``"values"``: ``key_bits`` / ``value_bits``, else ``bits``."""
@@ -372,6 +374,10 @@ def _check_quantize(q: QuantizePolicy, where: str) -> None:
     from tiercache.processors.backends import validate
 
     validate(q, where)
+    if q.meta_bits is not None and (q.meta_bits != 8 or q.backend != "native" or q.format != "int"):
+        raise PolicyError(f"{where}.meta_bits: allowed values are null (scales and offsets in the model dtype) and 8 "
+                          f"(one byte each, backend native, format int); got meta_bits {q.meta_bits!r} with backend "
+                          f"{q.backend!r}, format {q.format!r}")
     for name, which in (("key_bits", "keys"), ("value_bits", "values")):
         if getattr(q, name) is not None:  # the tensor's own bits, checked as the backend's bits
             validate(dataclasses.replace(q, bits=q.bits_of(which)), f"{where}.{name}")

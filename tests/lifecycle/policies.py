@@ -17,6 +17,8 @@ POLICIES = {
     "int2-sinks-clip-values": {"quantize": {**Q, "bits": 2, "sink_tokens": 3, "clip": "mse-values"}},
     "int2-keys4-layer0": {"quantize": {**Q, "bits": 2, "sink_tokens": 2}, "overrides": [
         {"layers": [0], "quantize": {"key_bits": 4}}]},
+    "int2-meta8-keys4": {"quantize": {**Q, "bits": 2, "sink_tokens": 2, "meta_bits": 8}, "overrides": [
+        {"layers": [0], "quantize": {"key_bits": 4}}]},
     "hqq": {"quantize": {**Q, "backend": "hqq"}},
     "int4-host": {"quantize": Q, "offload": {"device": "cpu"}},
     "int4-disk": {"quantize": Q, "offload": {"device": "disk"}},

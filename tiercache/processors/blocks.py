@@ -16,7 +16,7 @@ Interface
     row_bytes / groups         bytes of one block row, quantization groups per block
 
 Row layout: ``[codes | pad | scale | offset]`` (``codec.row_layout``, which the planner counts by
-too). Codes are packed ``8 // bits`` per byte, planar
+too; ``meta_bits: 8``: ``[codes | pad | ranges | scale bytes | offset bytes]``, ``metacodes.py``). Codes are packed ``8 // bits`` per byte, planar
 (byte ``j`` holds elements ``j``, ``j + E/per``, ... of the token-major ``[G, D]`` block, so each
 bit plane is a contiguous run of tokens; 3-bit codes as a bit stream); scale and
 offset are in the model dtype, viewed as bytes (``pad`` aligns them). ``axis`` says what a
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.processors import backends
+from tiercache.processors import backends, metacodes
 from tiercache.processors.codec import CodecSpec, row_layout, token_groups
 
 __all__ = ["BlockCodec", "Codec", "pack", "unpack", "plane", "token_groups"]
@@ -107,7 +107,7 @@ class Codec:
     def for_kv(self, key_dim: int, value_dim: int, dtype: torch.dtype) -> tuple["BlockCodec", "BlockCodec"]:
         """Fresh codecs for the keys and the values (each remembers the views it last decoded)."""
         return tuple(BlockCodec(backends.for_tensor(self.backends[which], which), self.group_size, dim,
-                                self.spec.axis_of(which), dtype)
+                                self.spec.axis_of(which), dtype, self.spec.meta_bits)
                      for which, dim in (("keys", key_dim), ("values", value_dim)))
 
     def row_bytes(self, head_dim: int, which: str, dtype_bytes: int) -> int:
@@ -124,7 +124,8 @@ class Codec:
 
 
 class BlockCodec:
-    def __init__(self, backend, group_size: int, head_dim: int, axis: str, dtype: torch.dtype):
+    def __init__(self, backend, group_size: int, head_dim: int, axis: str, dtype: torch.dtype,
+                 meta_bits: int | None = None):
         if not dtype.is_floating_point:
             raise CacheError(f"quantize: keys and values must be floating point, got {dtype}")
         self.backend, self.g, self.d, self.axis, self.dtype = backend, group_size, head_dim, axis, dtype
@@ -135,16 +136,19 @@ class BlockCodec:
             self.shape, self.dim, self.meta_shape = (group_size, n, head_dim // n), -1, (group_size, n, 1)
         self.elements = group_size * head_dim
         self.size = torch.empty((), dtype=dtype).element_size()
-        layout = row_layout(backend.bits, backend.has_offset, group_size, head_dim, axis, self.size)
-        self.code_bytes, self.meta_at, self.groups, self.meta_bytes, self.row_bytes = layout
+        layout = row_layout(backend.bits, backend.has_offset, group_size, head_dim, axis, self.size, meta_bits)
+        self.code_bytes, self.meta_at, self.groups, self.meta_bytes, self.row_bytes, self.ranges_bytes = layout
+        self.meta8 = meta_bits == 8  # scales and offsets as bytes on the row's grids (processors/metacodes.py)
         self._last = None  # (rows key, (codes, scale, offset)): see _parts
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         b, h, t, _ = x.shape
         n = t // self.g
         blocks = x.reshape(b, h, n, *self.shape)  # [B, H, N, G, D] (token axis: [.., G, n, g])
-        codes, scale, offset = self.backend.quantize(blocks, self.dim)
         rows = torch.zeros((b, h, n, self.row_bytes), dtype=torch.uint8, device=x.device)  # [B, H, N, row]
+        if self.meta8:
+            return self._encode_meta8(blocks, rows)
+        codes, scale, offset = self.backend.quantize(blocks, self.dim)
         codes = codes.reshape(b, h, n, self.elements)
         if codes.dtype != torch.uint8:
             codes = codes.view(torch.uint8)  # fp8 codes, one byte each
@@ -153,6 +157,18 @@ class BlockCodec:
             at = self.meta_at + i * self.meta_bytes
             meta = meta.to(self.dtype).reshape(b, h, n, self.groups).contiguous()
             rows[..., at : at + self.meta_bytes] = meta.view(torch.uint8)
+        return rows
+
+    def _encode_meta8(self, blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Each group's range (the backend's), widened onto the row's byte grids, then the codes."""
+        b, h, n = rows.shape[:3]
+        lo, hi = (t.reshape(b, h, n, self.groups) for t in self.backend.bounds(blocks, self.dim))  # [B, H, N, groups]
+        scale, offset, ranges, meta = metacodes.cover(lo, hi, self.backend.bits, self.dtype)
+        codes = self.backend.codes(blocks, *(t.reshape(b, h, n, *self.meta_shape) for t in (scale, offset)))
+        rows[..., : self.code_bytes] = pack(codes.reshape(b, h, n, self.elements), self.backend.bits)
+        at = self.meta_at + self.ranges_bytes
+        rows[..., self.meta_at : at] = ranges.contiguous().view(torch.uint8)
+        rows[..., at : at + 2 * self.groups] = meta
         return rows
 
     def decode(self, rows: torch.Tensor, out: torch.Tensor, remember: bool = True) -> None:
@@ -165,6 +181,9 @@ class BlockCodec:
         b, h, n, _ = rows.shape
         view = out.view(b, h, n, *self.shape)  # [B, H, N, G, D] over the caller's output
         codes, scale, offset = self._parts(rows, remember)
+        if self.meta8:  # rebuilt at every decode (small: one pair per group), never remembered stale
+            scale, offset = (t.reshape(*rows.shape[:3], *self.meta_shape).to(self.dtype)
+                             for t in metacodes.expand(scale, offset))
         self._unpack_into(codes, view)
         if offset is None:  # fp8
             view.mul_(scale)
@@ -181,7 +200,11 @@ class BlockCodec:
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         codes = rows.narrow(-1, 0, self.code_bytes)
-        parts = (codes, self._meta(rows, 0), self._meta(rows, 1) if self.backend.has_offset else None)
+        if self.meta8:  # (codes, ranges [.., 4] in the dtype, scale and offset bytes [.., 2 * groups])
+            at = self.meta_at + self.ranges_bytes
+            parts = (codes, self._dtype_view(rows[..., self.meta_at : at]), rows[..., at : at + 2 * self.groups])
+        else:
+            parts = (codes, self._meta(rows, 0), self._meta(rows, 1) if self.backend.has_offset else None)
         if remember:
             self._last = (key, parts)
         return parts
@@ -212,7 +235,10 @@ class BlockCodec:
 
     def _meta(self, rows: torch.Tensor, i: int) -> torch.Tensor:
         at = self.meta_at + i * self.meta_bytes
-        meta = rows[..., at : at + self.meta_bytes]
+        return self._dtype_view(rows[..., at : at + self.meta_bytes]).reshape(*rows.shape[:-1], *self.meta_shape)
+
+    def _dtype_view(self, meta: torch.Tensor) -> torch.Tensor:
+        """Row bytes ``[..., k * size]`` as ``[..., k]`` of the model dtype."""
         if meta.storage_offset() % self.size or any(s % self.size for s in meta.stride()[:-1]):
             meta = meta.contiguous()  # bytes not aligned for a dtype view (never for block stores)
-        return meta.view(self.dtype).reshape(*rows.shape[:-1], *self.meta_shape)
+        return meta.view(self.dtype)

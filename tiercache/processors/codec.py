@@ -3,7 +3,7 @@
 Interface
     CodecSpec.of(q: QuantizePolicy) -> CodecSpec
         frozen, hashable: how a block of ``group_size`` tokens is encoded (backend, bits, format,
-        clip) and laid out (key / value axis). Two layers whose ``CodecSpec`` are equal hold
+        clip, meta_bits) and laid out (key / value axis). Two layers whose ``CodecSpec`` are equal hold
         interchangeable packed rows (``Quantize.can_adopt``); the residual rule and the attention
         sinks are not part of it. Canonical in the bits: ``bits`` are the values' bits and
         ``key_bits`` the keys' where they differ (else None), however the policy said it.
@@ -21,7 +21,9 @@ Row layout (one block of one K or V head): ``[codes | pad | scale | offset]``. T
 block's ``G * D`` elements packed ``bits`` each; ``pad`` aligns the metadata to the model dtype;
 then one scale (and, with an offset, one offset) in the model dtype per group: per channel
 (``channel`` axis: ``D`` groups) or per run of ``D / n`` channels of each token (``token`` axis:
-``G * n`` groups, ``n = token_groups(D, G)``). This is the one statement of the layout:
+``G * n`` groups, ``n = token_groups(D, G)``). With ``meta_bits: 8`` the metadata is ``[ranges |
+scale bytes | offset bytes]`` instead: four numbers in the model dtype (the row's grids), then one
+byte per group for each (``processors/metacodes.py``). This is the one statement of the layout:
 ``tiercache.processors.blocks.BlockCodec`` packs rows by it and the planner
 (``tiercache.footprint``) counts bytes by it.
 """
@@ -32,6 +34,8 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from tiercache.policy import QuantizePolicy
+
+RANGES = 4  # meta_bits 8: the grid numbers of a row (processors/metacodes.py: o0, o_step, l0, l_step)
 
 
 def token_groups(head_dim: int, group_size: int) -> int:
@@ -44,17 +48,22 @@ def token_groups(head_dim: int, group_size: int) -> int:
 
 class RowLayout(NamedTuple):
     code_bytes: int  # packed codes, at the start of the row
-    meta_at: int  # where the scale starts (code_bytes rounded up to the dtype's size)
+    meta_at: int  # where the metadata starts (code_bytes rounded up to the dtype's size)
     groups: int  # quantization groups per block: scales (and offsets) in the row
-    meta_bytes: int  # bytes of the scales (and as many of the offsets)
+    meta_bytes: int  # bytes of the scales (and as many of the offsets), after the ranges
     row_bytes: int  # the whole row
+    ranges_bytes: int = 0  # meta_bits 8: the row's four grid numbers in the dtype, before the scale bytes
 
 
-def row_layout(bits: int, has_offset: bool, group_size: int, head_dim: int, axis: str, dtype_bytes: int) -> RowLayout:
+def row_layout(bits: int, has_offset: bool, group_size: int, head_dim: int, axis: str, dtype_bytes: int,
+               meta_bits: int | None = None) -> RowLayout:
     """Where the parts of one packed block row lie (module docstring)."""
     code_bytes = -(-group_size * head_dim * bits // 8)
     meta_at = -(-code_bytes // dtype_bytes) * dtype_bytes
     groups = head_dim if axis == "channel" else group_size * token_groups(head_dim, group_size)
+    if meta_bits == 8:  # [ranges: 4 dtype numbers | scale bytes | offset bytes] (processors/metacodes.py)
+        ranges = RANGES * dtype_bytes
+        return RowLayout(code_bytes, meta_at, groups, groups, meta_at + ranges + 2 * groups, ranges)
     meta_bytes = groups * dtype_bytes
     return RowLayout(code_bytes, meta_at, groups, meta_bytes, meta_at + meta_bytes * (2 if has_offset else 1))
 
@@ -69,16 +78,19 @@ class CodecSpec:
     format: str
     clip: str
     key_bits: int | None = None  # the keys' bits where they differ from ``bits`` (the values')
+    meta_bits: int | None = None  # None: scales and offsets in the model dtype; 8: bytes on the row's grids
 
     @classmethod
     def of(cls, q: QuantizePolicy) -> "CodecSpec":
         kb, vb = q.bits_of("keys"), q.bits_of("values")
-        return cls(q.backend, vb, q.group_size, q.key_axis, q.value_axis, q.format, q.clip, None if kb == vb else kb)
+        return cls(q.backend, vb, q.group_size, q.key_axis, q.value_axis, q.format, q.clip, None if kb == vb else kb,
+                   q.meta_bits)
 
     def policy(self, residual_length: int, sink_tokens: int = 0) -> QuantizePolicy:
         return QuantizePolicy(backend=self.backend, bits=self.bits, group_size=self.group_size,
                               residual_length=residual_length, key_axis=self.key_axis, value_axis=self.value_axis,
-                              format=self.format, sink_tokens=sink_tokens, clip=self.clip, key_bits=self.key_bits)
+                              format=self.format, sink_tokens=sink_tokens, clip=self.clip, key_bits=self.key_bits,
+                              meta_bits=self.meta_bits)
 
     def bits_of(self, which: str) -> int:
         return self.key_bits if which == "keys" and self.key_bits is not None else self.bits
@@ -95,7 +107,7 @@ class CodecSpec:
 
     def layout(self, head_dim: int, which: str, dtype_bytes: int) -> RowLayout:
         return row_layout(self.bits_of(which), self.has_offset, self.group_size, head_dim, self.axis_of(which),
-                          dtype_bytes)
+                          dtype_bytes, self.meta_bits)
 
     def row_bytes(self, head_dim: int, which: str, dtype_bytes: int) -> int:
         return self.layout(head_dim, which, dtype_bytes).row_bytes

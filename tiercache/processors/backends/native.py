@@ -7,6 +7,10 @@ fit the stored metadata exactly. ``clip: mse`` chooses each group's range by a s
 least squared error instead (``backends/clip.py``; never worse than min/max); ``mse-values`` /
 ``mse-keys`` search for that tensor only (``for_tensor``), the other keeping min/max. ``format: fp8`` (``bits: 8``): e4m3 codes with a symmetric
 per-group scale ``absmax / 448`` and no offset.
+
+``bounds(x, dim)`` (each group's wanted range) and ``codes(x, scale, offset)`` are the two halves
+of ``quantize`` for ``meta_bits: 8``, where ``processors/metacodes.py`` widens the range onto the
+row's byte grids between them.
 """
 
 from __future__ import annotations
@@ -52,6 +56,22 @@ class Native:
         clip = "mse" if self.clip in ("mse", f"mse-{which}") else "minmax"
         return self if clip == self.clip else Native(self.bits, self.fp8, clip)
 
+    def bounds(self, x: torch.Tensor, dim: int):
+        """Each group's wanted range ``(lo, hi)``, float32 with ``dim`` of size 1 (integer formats):
+        min/max, or the clipping search's range. For metadata stored on coarser grids
+        (``processors/metacodes.py``), which then widen it and give the codes their scale."""
+        lo, hi = x.amin(dim=dim, keepdim=True).float(), x.amax(dim=dim, keepdim=True).float()
+        if self.clip == "mse":  # the searched range, never past the data (a constant group: lo == hi)
+            from tiercache.processors.backends.clip import search_affine
+
+            scale, offset = search_affine(x, dim, self.bits, torch.float32)
+            return offset.maximum(lo), (offset + scale * (2**self.bits - 1)).minimum(hi)
+        return lo, hi
+
+    def codes(self, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """Integer codes of ``x`` for a given ``(scale, offset)`` (broadcast over the groups)."""
+        return ((x.float() - offset) / scale).round_().clamp_(0, 2**self.bits - 1).to(torch.uint8)
+
     def quantize(self, x: torch.Tensor, dim: int):
         if self.fp8:
             amax = x.abs().amax(dim=dim, keepdim=True).float()
@@ -65,8 +85,7 @@ class Native:
             scale, offset = search_affine(x, dim, self.bits, x.dtype)
         else:
             scale, offset = minmax_affine(x, dim, self.bits, x.dtype)
-        codes = ((x.float() - offset) / scale).round_().clamp_(0, 2**self.bits - 1).to(torch.uint8)
-        return codes, scale, offset
+        return self.codes(x, scale, offset), scale, offset
 
 
 def make(config) -> Native:
