@@ -40,13 +40,16 @@ def test_cover_widens_never_clips_and_expand_is_exact(dtype, bits):
     assert ranges.dtype == dtype and ranges.shape == (*lo.shape[:-1], 4)
     assert codes.dtype == torch.uint8 and codes.shape == (*lo.shape[:-1], 2 * lo.shape[-1])
     back = metacodes.expand(ranges, codes)
-    assert torch.equal(back[0], scale) and torch.equal(back[1], offset)
+    assert torch.equal(back[0].float(), scale) and torch.equal(back[1].float(), offset) and back[0].dtype == dtype
     top = 2**bits - 1
-    slack = 1e-6 * (lo.abs() + hi.abs())  # float32 arithmetic of the grid points
+    # float32 arithmetic, and where a grid step is finer than the dtype, the dtype's own rounding
+    slack = (1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps) * (lo.abs() + hi.abs())
     assert (offset <= lo + slack).all() and (offset + scale * top >= hi - slack).all()
-    widened = scale / ((hi - lo) / top)
-    assert widened.min() >= 1 - 1e-5  # never narrower than min/max
-    assert widened.mean() < 1.1  # and on average by under 10% (measured 6% on this wide spread of means)
+    widened = scale / ((hi - lo) / top).clamp_min(1e-30)
+    assert widened.min() >= 1 - (1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps)  # never narrower
+    ref = (hi - lo) / top
+    rms = (scale.square().mean() / ref.square().mean()).sqrt()  # what the RMS error grows with
+    assert rms < 1.03  # measured 0.7-0.9% on this wide spread of ranges and means
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
@@ -80,7 +83,7 @@ def test_packed_round_trip_within_half_a_widened_step(dtype, axis, bits, clip):
     assert err <= ref * 1.1  # the bytes cost under 10% of the error (measured: 0-5%)
     if clip == "minmax":  # nothing clipped: every element within half its group's step (+ the dtype's rounding)
         _, ranges, meta = meta8._parts(rows, remember=False)
-        scale, offset = (t.reshape(2, 3, 3, *meta8.meta_shape) for t in metacodes.expand(ranges, meta))
+        scale, offset = (t.float().reshape(2, 3, 3, *meta8.meta_shape) for t in metacodes.expand(ranges, meta))
         x5 = x.float().reshape(2, 3, 3, *meta8.shape)  # [B, H, N, G, D] (token axis: [.., G, 1, D])
         dev = (out.float().reshape(x5.shape) - x5).abs()
         rounding = 2 * torch.finfo(dtype).eps * (x5.abs() + offset.abs()) + 1e-6

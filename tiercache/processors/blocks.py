@@ -16,7 +16,7 @@ Interface
     row_bytes / groups         bytes of one block row, quantization groups per block
 
 Row layout: ``[codes | pad | scale | offset]`` (``codec.row_layout``, which the planner counts by
-too; ``meta_bits: 8``: ``[codes | pad | ranges | scale bytes | offset bytes]``, ``metacodes.py``). Codes are packed ``8 // bits`` per byte, planar
+too; ``meta_bits: 8``: ``[codes | pad | ranges | offset bytes | scale bytes]``, ``metacodes.py``). Codes are packed ``8 // bits`` per byte, planar
 (byte ``j`` holds elements ``j``, ``j + E/per``, ... of the token-major ``[G, D]`` block, so each
 bit plane is a contiguous run of tokens; 3-bit codes as a bit stream); scale and
 offset are in the model dtype, viewed as bytes (``pad`` aligns them). ``axis`` says what a
@@ -182,8 +182,7 @@ class BlockCodec:
         view = out.view(b, h, n, *self.shape)  # [B, H, N, G, D] over the caller's output
         codes, scale, offset = self._parts(rows, remember)
         if self.meta8:  # rebuilt at every decode (small: one pair per group), never remembered stale
-            scale, offset = (t.reshape(*rows.shape[:3], *self.meta_shape).to(self.dtype)
-                             for t in metacodes.expand(scale, offset))
+            scale, offset = (t.reshape(*rows.shape[:3], *self.meta_shape) for t in metacodes.expand(scale, offset))
         self._unpack_into(codes, view)
         if offset is None:  # fp8
             view.mul_(scale)
@@ -200,7 +199,7 @@ class BlockCodec:
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         codes = rows.narrow(-1, 0, self.code_bytes)
-        if self.meta8:  # (codes, ranges [.., 4] in the dtype, scale and offset bytes [.., 2 * groups])
+        if self.meta8:  # (codes, ranges [.., 4] in the dtype, offset and scale bytes [.., 2 * groups])
             at = self.meta_at + self.ranges_bytes
             parts = (codes, self._dtype_view(rows[..., self.meta_at : at]), rows[..., at : at + 2 * self.groups])
         else:

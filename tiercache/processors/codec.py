@@ -22,7 +22,7 @@ block's ``G * D`` elements packed ``bits`` each; ``pad`` aligns the metadata to 
 then one scale (and, with an offset, one offset) in the model dtype per group: per channel
 (``channel`` axis: ``D`` groups) or per run of ``D / n`` channels of each token (``token`` axis:
 ``G * n`` groups, ``n = token_groups(D, G)``). With ``meta_bits: 8`` the metadata is ``[ranges |
-scale bytes | offset bytes]`` instead: four numbers in the model dtype (the row's grids), then one
+offset bytes | scale bytes]`` instead: four numbers in the model dtype (the row's grids), then one
 byte per group for each (``processors/metacodes.py``). This is the one statement of the layout:
 ``tiercache.processors.blocks.BlockCodec`` packs rows by it and the planner
 (``tiercache.footprint``) counts bytes by it.
@@ -52,7 +52,7 @@ class RowLayout(NamedTuple):
     groups: int  # quantization groups per block: scales (and offsets) in the row
     meta_bytes: int  # bytes of the scales (and as many of the offsets), after the ranges
     row_bytes: int  # the whole row
-    ranges_bytes: int = 0  # meta_bits 8: the row's four grid numbers in the dtype, before the scale bytes
+    ranges_bytes: int = 0  # meta_bits 8: the row's four grid numbers in the dtype, before the offset and scale bytes
 
 
 def row_layout(bits: int, has_offset: bool, group_size: int, head_dim: int, axis: str, dtype_bytes: int,
@@ -61,7 +61,7 @@ def row_layout(bits: int, has_offset: bool, group_size: int, head_dim: int, axis
     code_bytes = -(-group_size * head_dim * bits // 8)
     meta_at = -(-code_bytes // dtype_bytes) * dtype_bytes
     groups = head_dim if axis == "channel" else group_size * token_groups(head_dim, group_size)
-    if meta_bits == 8:  # [ranges: 4 dtype numbers | scale bytes | offset bytes] (processors/metacodes.py)
+    if meta_bits == 8:  # [ranges: 4 dtype numbers | offset bytes | scale bytes] (processors/metacodes.py)
         ranges = RANGES * dtype_bytes
         return RowLayout(code_bytes, meta_at, groups, groups, meta_at + ranges + 2 * groups, ranges)
     meta_bytes = groups * dtype_bytes

@@ -69,7 +69,9 @@ class Native:
         return lo, hi
 
     def codes(self, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        """Integer codes of ``x`` for a given ``(scale, offset)`` (broadcast over the groups)."""
+        """Integer codes of ``x`` for a given ``(scale, offset)`` (broadcast over the groups; a scale
+        of 0, a constant group's, gives codes 0)."""
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         return ((x.float() - offset) / scale).round_().clamp_(0, 2**self.bits - 1).to(torch.uint8)
 
     def quantize(self, x: torch.Tensor, dim: int):
