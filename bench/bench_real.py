@@ -15,6 +15,8 @@ policies and transformers' caches in the same run.
                                                         # greedy, text and retrieval at once -> int2-keys-joint.yaml
     python bench/bench_real.py --upgrade-search --objective joint ... --start-from out/real/upgrade_greedy.json \
         --upgrade 12 --config-out configs/smollm2-135m/int2-keys-joint12.yaml   # go on from those picks to 12
+    python bench/bench_real.py --upgrade-search --int4-k8 out/upgrade/upgrade_gains.json --upgrade 3
+                                                        # int8 keys on that search's top 3, meta_bits 8 -> int4-sinks-k8.yaml
     python bench/bench_real.py --texts-per-kind 8 --tokens 256 --greedy-tokens 0 --contexts ""   # perplexity, 16 texts
 
 Per setup (``tiercache.bench.realbench``): KV bytes, decode tokens/s (teacher-forced steps),
@@ -77,6 +79,9 @@ def main(argv=None) -> int:
                    "int2 + sinks everywhere, on train text; writes configs/<model>/int2-keys.yaml")
     p.add_argument("--from-gains", default=None, help="--upgrade-search: no measuring; sum the gains of these "
                    "comma-separated upgrade_gains.json files (e.g. a text and a retrieval search) -> int2-keys-both.yaml")
+    p.add_argument("--int4-k8", default=None, metavar="GAINS", help="--upgrade-search: no measuring; int4 + 4 sinks "
+                   "with meta_bits 8, and int8 keys on the --upgrade layers whose int4 keys bought the most in this "
+                   "saved int2 text search (its upgrade_gains.json) -> int4-sinks-k8.yaml")
     p.add_argument("--objective", choices=["text", "retrieval", "joint"], default="text", help="--upgrade-search: "
                    "the perplexity of train text, or of the pass key's digits in retrieval samples of --contexts at "
                    "--depths (seed 1: not the keys bench_retrieval.py asks) -> int2-keys-retrieval.yaml; joint: "
@@ -150,6 +155,8 @@ def _upgrade_search(model, tok, args) -> int:
     scored in one pass (``sensitivity.one_pass_nll``) on train text (``--texts-per-kind`` of each
     kind), on retrieval samples (``--objective retrieval``), or summed from saved searches
     (``--from-gains``)."""
+    if args.int4_k8:
+        return _int4_k8(model, args)
     base = {**realbench.K, "bits": 2, "sink_tokens": 4}
     upgrades = {"keys": {"key_bits": 4}, "values": {"value_bits": 4}}
     if args.objective == "joint":
@@ -179,6 +186,20 @@ def _upgrade_search(model, tok, args) -> int:
         top = sorted(range(len(per)), key=lambda i: -per[i])[:10]
         print(f"{u}: best layers " + ", ".join(f"{i} ({100 * per[i]:+.1f}%)" for i in top))
     return _write_search(model, args, name, policy, "upgrade_gains.json", {"gains": gains})
+
+
+def _int4_k8(model, args) -> int:
+    """int4 + sinks with byte metadata, the bytes saved spent on int8 keys where the int2 search found
+    keys the most sensitive (int4's own loss is in the recent tokens quantized while decoding, which
+    the one-pass proxy does not see: README, Scales and offsets as bytes)."""
+    base = {**realbench.K, "bits": 4, "sink_tokens": 4, "meta_bits": 8}
+    gains = {"keys": _load_gains(args.int4_k8)["keys"]}
+    policy = sensitivity.mixed_upgrades(
+        base, gains, {"keys": {"key_bits": 8}}, args.upgrade, "int4-sinks-k8",
+        f"int4 KIVI with 4 sinks, scales and offsets as bytes (meta_bits 8); int8 keys on the {args.upgrade} layers "
+        f"whose int4 keys bought the most perplexity in an int2 search on {args.model} (bench/bench_real.py "
+        f"--upgrade-search --int4-k8)")
+    return _write_search(model, args, "int4-sinks-k8", policy, "int4_k8.json", {"from": args.int4_k8})
 
 
 def _write_search(model, args, name: str, policy: dict, record: str, found: dict) -> int:

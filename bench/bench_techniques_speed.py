@@ -39,6 +39,10 @@ CACHES = {
     "int2 +sinks +clip": {**K, "bits": 2, "sink_tokens": 4, "clip": "mse"},
     "int2 +sinks": {**K, "bits": 2, "sink_tokens": 4},
     "int2-keys": "smollm2-135m/int2-keys.yaml",  # int2 + sinks, int4 keys on 7 layers (values on 1)
+    "int4 +sinks": "int4-sinks.yaml",
+    "int4 +sinks meta8": {**K, "bits": 4, "sink_tokens": 4, "meta_bits": 8},  # scales and offsets as bytes
+    "int4-sinks-k8": "smollm2-135m/int4-sinks-k8.yaml",  # meta8, int8 keys on 3 layers: int4-sinks' bytes
+    "int2-keys-joint7": "smollm2-135m/int2-keys-joint7.yaml",  # meta8, 7 int4 tensors: int2-sinks' bytes
 }
 
 
@@ -48,12 +52,18 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--caches", default=",".join(CACHES),
+                    help=f"comma-separated, 'int4 (today)' always included; from: {', '.join(CACHES)}")
     args = ap.parse_args(argv)
+    names = ["int4 (today)"] + [n for n in args.caches.split(",") if n and n != "int4 (today)"]
+    unknown = [n for n in names if n not in CACHES]
+    if unknown:
+        ap.error(f"unknown cache(s) {unknown}; allowed: {', '.join(CACHES)}")
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     prompt = texts.token_ids(tok, "code", args.prompt)[None]  # [1, P]
     caches = {"full precision": DynamicCache(config=model.config)}
-    caches.update({n: setups.factory(q, model.config)() for n, q in CACHES.items()})
+    caches.update({n: setups.factory(CACHES[n], model.config)() for n in names})
     out = run(model, caches, prompt, args.new)
     base = out["int4 (today)"]["tokens/s"]
     ref = out["full precision"]["logits"]

@@ -167,3 +167,23 @@ def test_run_rows_on_the_tiny_model():
     assert rows[1]["bytes"] < rows[0]["bytes"]
     with pytest.raises(ValueError, match="unknown setup"):
         realbench.run(model, tok, ["nope"], 96, 6, ["code"], 0, [], [])
+
+
+def test_every_named_setup_builds_a_cache_for_smollm2_shaped_configs():
+    """Every setup the benchmarks name (inline policies and config files, ``meta_bits`` ones
+    included) loads and builds a cache for a SmolLM2-shaped config (30 layers, 3 KV heads of 64),
+    whose first update holds the tokens it was given."""
+    from transformers import LlamaConfig
+
+    from tiercache.bench import retrievalbench, setups
+
+    config = LlamaConfig(num_hidden_layers=30, hidden_size=192, num_attention_heads=3, num_key_value_heads=3,
+                         head_dim=64)
+    named = {**{n: s for n, (_, s) in realbench.SETUPS.items()}, **retrievalbench.SETUPS}
+    for name, spec in named.items():
+        if isinstance(spec, str) and spec in setups.BASELINES:
+            continue  # transformers' caches: built in the benchmark runs
+        cache = setups.factory(spec, config)()
+        k = torch.randn(1, 3, 70, 64)
+        cache.update(k, k, 0)
+        assert cache.get_seq_length() == 70, name

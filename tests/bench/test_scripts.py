@@ -137,6 +137,31 @@ def test_upgrade_search_from_saved_gains(tmp_path):
     assert len(picks) == 3 and (picks[2]["layer"], picks[2]["upgrade"]) != (top[1], top[2])  # one more, a new one
 
 
+def test_int4_k8_config_from_a_saved_int2_search(tmp_path):
+    """--int4-k8: no measuring; int4 + 4 sinks with byte metadata and int8 keys on the layers whose
+    keys gained most in the saved search (values' gains ignored), a config that loads for the model."""
+    import json
+
+    import yaml
+
+    import tiercache
+
+    saved = tmp_path / "gains.json"
+    saved.write_text(json.dumps({"model": "tiny", "gains": {"keys": [0.01, 0.5, -0.2, 0.3],
+                                                            "values": [0.9, 0.0, 0.0, 0.0]}}))
+    path = os.pathsep.join(p for p in (str(BENCH.parent), os.environ.get("PYTHONPATH", "")) if p)
+    run = subprocess.run([sys.executable, str(BENCH / "bench_real.py"), "--model", "tiny", "--threads", "1",
+                          "--upgrade-search", "--int4-k8", str(saved), "--upgrade", "2", "--out", "out",
+                          "--config-out", "k8.yaml"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": path})
+    assert run.returncode == 0, run.stderr[-3000:]
+    config = yaml.safe_load((tmp_path / "k8.yaml").read_text())
+    assert config["name"] == "k8" and config["overrides"] == [{"layers": [1, 3], "quantize": {"key_bits": 8}}]
+    assert config["quantize"]["bits"] == 4 and config["quantize"]["meta_bits"] == 8
+    assert config["quantize"]["sink_tokens"] == 4
+    tiercache.load_policy(tmp_path / "k8.yaml")
+
+
 def test_joint_search_scores_the_first_token_or_every_digit(tmp_path):
     """--retrieval-tokens first scores only the key's first token: the same text objective, another
     retrieval perplexity at the base (no picks asked)."""

@@ -79,6 +79,12 @@ SETUPS.update({
                         "smollm2-135m/int2-keys-joint.yaml"),
     "int2-keys-joint12": ("int2, 4 sinks, int4 on the 12 tensors of the joint search gone on to 12 picks",
                           "smollm2-135m/int2-keys-joint12.yaml"),
+    "int4 +sinks meta8": ("int4, 4 sinks, scales and offsets as bytes (meta_bits 8)", {**S4, "meta_bits": 8}),
+    "int2 +sinks meta8": ("int2, 4 sinks, scales and offsets as bytes (meta_bits 8)", {**S2, "meta_bits": 8}),
+    "int4-sinks-k8": ("int4, 4 sinks, int8 keys on layers 18, 20, 23, meta_bits 8: the bytes of int4 + sinks",
+                      "smollm2-135m/int4-sinks-k8.yaml"),
+    "int2-keys-joint7": ("int2, 4 sinks, int2-keys-joint's first 7 picks, meta_bits 8: the bytes of int2 + sinks",
+                         "smollm2-135m/int2-keys-joint7.yaml"),
 })
 
 

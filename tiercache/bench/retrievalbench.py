@@ -46,6 +46,8 @@ SETUPS = {
     "int2-keys-both12": "smollm2-135m/int2-keys-both12.yaml",
     "int2-keys-joint": "smollm2-135m/int2-keys-joint.yaml",
     "int2-keys-joint12": "smollm2-135m/int2-keys-joint12.yaml",
+    "int4-sinks-k8": "smollm2-135m/int4-sinks-k8.yaml",
+    "int2-keys-joint7": "smollm2-135m/int2-keys-joint7.yaml",
 }
 DEFAULT = tuple(SETUPS)
 
