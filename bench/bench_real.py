@@ -17,6 +17,8 @@ policies and transformers' caches in the same run.
         --upgrade 12 --config-out configs/smollm2-135m/int2-keys-joint12.yaml   # go on from those picks to 12
     python bench/bench_real.py --upgrade-search --int4-k8 out/upgrade/upgrade_gains.json --upgrade 3
                                                         # int8 keys on that search's top 3, meta_bits 8 -> int4-sinks-k8.yaml
+    python bench/bench_real.py --upgrade-search --int4-k8 out/upgrade/upgrade_gains.json --steps --candidates 12 \
+        --upgrade 3 --texts-per-kind 4 --tokens 256       # of its top 12, the 3 whose int8 keys buy most (step decode)
     python bench/bench_real.py --texts-per-kind 8 --tokens 256 --greedy-tokens 0 --contexts ""   # perplexity, 16 texts
 
 Per setup (``tiercache.bench.realbench``): KV bytes, decode tokens/s (teacher-forced steps),
@@ -82,6 +84,8 @@ def main(argv=None) -> int:
     p.add_argument("--int4-k8", default=None, metavar="GAINS", help="--upgrade-search: no measuring; int4 + 4 sinks "
                    "with meta_bits 8, and int8 keys on the --upgrade layers whose int4 keys bought the most in this "
                    "saved int2 text search (its upgrade_gains.json) -> int4-sinks-k8.yaml")
+    p.add_argument("--steps", action="store_true", help="--int4-k8: measure instead, by step decoding over "
+                   "--tokens of train text, what int8 keys buy at int4 on each of that search's top --candidates")
     p.add_argument("--objective", choices=["text", "retrieval", "joint"], default="text", help="--upgrade-search: "
                    "the perplexity of train text, or of the pass key's digits in retrieval samples of --contexts at "
                    "--depths (seed 1: not the keys bench_retrieval.py asks) -> int2-keys-retrieval.yaml; joint: "
@@ -156,7 +160,7 @@ def _upgrade_search(model, tok, args) -> int:
     kind), on retrieval samples (``--objective retrieval``), or summed from saved searches
     (``--from-gains``)."""
     if args.int4_k8:
-        return _int4_k8(model, args)
+        return _int4_k8(model, tok, args)
     base = {**realbench.K, "bits": 2, "sink_tokens": 4}
     upgrades = {"keys": {"key_bits": 4}, "values": {"value_bits": 4}}
     if args.objective == "joint":
@@ -188,18 +192,33 @@ def _upgrade_search(model, tok, args) -> int:
     return _write_search(model, args, name, policy, "upgrade_gains.json", {"gains": gains})
 
 
-def _int4_k8(model, args) -> int:
-    """int4 + sinks with byte metadata, the bytes saved spent on int8 keys where the int2 search found
-    keys the most sensitive (int4's own loss is in the recent tokens quantized while decoding, which
-    the one-pass proxy does not see: README, Scales and offsets as bytes)."""
+def _int4_k8(model, tok, args) -> int:
+    """int4 + sinks with byte metadata, the bytes saved spent on int8 keys: on the layers whose int4
+    keys gained most in a saved int2 search, or (``--steps``) on those of its top ``--candidates``
+    whose int8 keys buy the most at int4, measured by step decoding on train text (int4's loss is
+    in the recent tokens quantized while decoding, which the one-pass proxy does not see)."""
     base = {**realbench.K, "bits": 4, "sink_tokens": 4, "meta_bits": 8}
-    gains = {"keys": _load_gains(args.int4_k8)["keys"]}
-    policy = sensitivity.mixed_upgrades(
-        base, gains, {"keys": {"key_bits": 8}}, args.upgrade, "int4-sinks-k8",
+    upgrades = {"keys": {"key_bits": 8}}
+    ranking = _load_gains(args.int4_k8)["keys"]
+    how = "whose int4 keys bought the most perplexity in an int2 search"
+    gains, layers = {"keys": ranking}, range(len(ranking))
+    if args.steps:
+        layers = sorted(range(len(ranking)), key=lambda i: -ranking[i])[: args.candidates]
+        items = [(multitext.prefill(model, ids[:, : args.prompt]), ids[:, args.prompt:]) for ids in (
+            multitext.windows(tok, kind, args.texts_per_kind, args.prompt + args.tokens, split="train")
+            for kind in texts.KINDS)]
+        gains = sensitivity.decode_gains(model, items, base, upgrades, layers, tick=lambda i, u, g: print(
+            f"layer {i} int8 keys: {100 * g:+.2f}% perplexity gained (step decode, train text)", flush=True))
+        how = (f"whose int8 keys buy the most train-text perplexity by step decode, of the {len(layers)} an int2 "
+               f"search ranked first")
+    picks = sorted(layers, key=lambda i: -gains["keys"][i])[: args.upgrade]  # among the measured only
+    policy = sensitivity.policy_of(
+        base, [(i, "keys") for i in picks], upgrades, "int4-sinks-k8",
         f"int4 KIVI with 4 sinks, scales and offsets as bytes (meta_bits 8); int8 keys on the {args.upgrade} layers "
-        f"whose int4 keys bought the most perplexity in an int2 search on {args.model} (bench/bench_real.py "
-        f"--upgrade-search --int4-k8)")
-    return _write_search(model, args, "int4-sinks-k8", policy, "int4_k8.json", {"from": args.int4_k8})
+        f"{how} on {args.model} (bench/bench_real.py --upgrade-search --int4-k8)")
+    measured = [g if i in layers else None for i, g in enumerate(gains["keys"])]  # None: not measured
+    return _write_search(model, args, "int4-sinks-k8", policy, "int4_k8.json", {"from": args.int4_k8,
+                                                                                   "gains": {"keys": measured}})
 
 
 def _write_search(model, args, name: str, policy: dict, record: str, found: dict) -> int:

@@ -120,6 +120,25 @@ def test_upgrade_gains_and_mixed_upgrades():
 
 
 
+def test_decode_gains_step_decode_the_listed_layers_only():
+    """Step-decoded gains: 0 for the same format and for unlisted layers; a real upgrade changes the
+    perplexity, and over a continuation longer than the residual (blocks packed while decoding) it
+    is not what one pass sees."""
+    model = tiny_random()
+    ids = torch.stack([texts.token_ids(ByteTokenizer(), kind, 128, split="train") for kind in ("code", "prose")])
+    from tiercache.bench import multitext
+
+    items = [(multitext.prefill(model, ids[:, :64]), ids[:, 64:])]  # 64 decoded, residual 16: packed while decoding
+    base = {"bits": 2, "group_size": 8, "residual_length": 16}
+    ups = {"same": {"key_bits": 2}, "keys": {"key_bits": 8}}
+    n = model.config.num_hidden_layers
+    gains = sensitivity.decode_gains(model, items, base, ups, [0, 2])
+    assert gains["same"] == [0.0] * n
+    assert gains["keys"][1] == 0.0 and gains["keys"][0] != 0.0 and gains["keys"][2] != 0.0
+    one_pass = sensitivity.upgrade_gains(model, [(p, c, None) for p, c in items], base, {"keys": ups["keys"]})
+    assert one_pass["keys"][0] != gains["keys"][0]
+
+
 def test_greedy_upgrades_picks_the_best_candidate_each_round_measured_again():
     model = tiny_random()
     ids = texts.token_ids(ByteTokenizer(), "code", 128, split="train")

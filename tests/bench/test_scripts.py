@@ -160,6 +160,17 @@ def test_int4_k8_config_from_a_saved_int2_search(tmp_path):
     assert config["quantize"]["bits"] == 4 and config["quantize"]["meta_bits"] == 8
     assert config["quantize"]["sink_tokens"] == 4
     tiercache.load_policy(tmp_path / "k8.yaml")
+    steps = subprocess.run([sys.executable, str(BENCH / "bench_real.py"), "--model", "tiny", "--threads", "1",
+                            "--upgrade-search", "--int4-k8", str(saved), "--steps", "--candidates", "2", "--upgrade",
+                            "1", "--prompt", "128", "--tokens", "80", "--texts-per-kind", "1", "--out", "out",
+                            "--config-out", "steps.yaml"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": path})
+    assert steps.returncode == 0, steps.stderr[-3000:]
+    measured = json.loads((tmp_path / "out" / "int4_k8.json").read_text())["gains"]["keys"]
+    assert measured[0] is None and measured[2] is None and None not in (measured[1], measured[3])  # the top 2 only
+    best = max((1, 3), key=lambda i: measured[i])
+    assert yaml.safe_load((tmp_path / "steps.yaml").read_text())["overrides"] == [
+        {"layers": [best], "quantize": {"key_bits": 8}}]
 
 
 def test_joint_search_scores_the_first_token_or_every_digit(tmp_path):

@@ -41,6 +41,12 @@ Interface
   the base and after each pick. ``start``: pairs taken as picked already (an earlier search's
   picks, to go on from them): listed after the base with ``"given": True`` (score and ppl
   None), then up to ``k`` new picks.
+- ``decode_gains(model, items, base, upgrades, layers, tick=None) -> {name: [gain per layer]}``: as
+  ``upgrade_gains``, for the given ``layers`` only (0 elsewhere), but each text scored by
+  teacher-forced *step* decoding through the cache (``multitext.teacher_forced``), so the tokens
+  quantized while decoding count too: where int4 loses (its one-pass loss on train text is within
+  the noise). ``items``: ``(prefilled, continuation)`` pairs (texts ``[N, ...]`` in a batch).
+  Costs a decode step per token per candidate (~100x ``upgrade_gains``): give it a short list.
 - ``policy_of(base, picks, upgrades, name, description="") -> dict``: the policy dict of
   ``(layer, upgrade name)`` pairs (what ``mixed_upgrades`` and the greedy picks become).
 
@@ -118,6 +124,31 @@ def upgrade_gains(model, items, base: dict, upgrades: dict, tick=None) -> dict:
             gains[name].append(ref / _ppl(model, items, policy) - 1)
             if tick:
                 tick(i, name, gains[name][-1])
+    return gains
+
+
+def _decode_ppl(model, items, policy) -> float:
+    from tiercache import TieredCache
+    from tiercache.bench import multitext
+
+    total, count = 0.0, 0
+    for prefilled, continuation in items:
+        cache = seeded.seed(TieredCache.from_policy(policy, model.config), prefilled)
+        nll = multitext.teacher_forced(model, cache, prefilled, continuation).nll
+        cache.close()
+        total, count = total + nll.sum().item(), count + nll.numel()
+    return math.exp(total / count)
+
+
+def decode_gains(model, items, base: dict, upgrades: dict, layers, tick=None) -> dict:
+    n = len(items[0][0].kv)
+    ref = _decode_ppl(model, items, {"name": "base", "quantize": dict(base)})
+    gains = {name: [0.0] * n for name in upgrades}
+    for i in layers:
+        for name in upgrades:
+            gains[name][i] = ref / _decode_ppl(model, items, policy_of(base, [(i, name)], upgrades, f"{name}-{i}")) - 1
+            if tick:
+                tick(i, name, gains[name][i])
     return gains
 
 
