@@ -13,11 +13,12 @@ from tiercache.processors.codec import CodecSpec
 FORMATS = [QuantizePolicy(bits=2, group_size=32), QuantizePolicy(bits=4, group_size=64, key_axis="token"),
            QuantizePolicy(bits=8, group_size=16, value_axis="channel"), QuantizePolicy(bits=8, format="fp8", group_size=32),
            QuantizePolicy(bits=2, key_bits=4, group_size=64), QuantizePolicy(bits=4, key_bits=2, key_axis="token"),
-           QuantizePolicy(bits=2, key_bits=4, meta_bits=8), QuantizePolicy(bits=4, meta_bits=8, key_axis="token")]
+           QuantizePolicy(bits=2, key_bits=4, meta_bits=8), QuantizePolicy(bits=4, meta_bits=8, key_axis="token"),
+           QuantizePolicy(bits=4, meta_bits=8, group_size=17, key_axis="token")]  # 17 x 3 groups for 48 channels
 
 
 @pytest.mark.parametrize("q", FORMATS, ids=["int2", "int4-token", "int8-channel", "fp8", "K4V2", "K2V4-token",
-                                     "K4V2-meta8", "int4-token-meta8"])
+                                     "K4V2-meta8", "int4-token-meta8", "int4-meta8-odd-groups"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("dims", [(16, 16), (48, 80), (128, 64)], ids=lambda d: f"k{d[0]}v{d[1]}")
 def test_row_layout_is_what_the_codecs_pack(q, dtype, dims):
@@ -29,6 +30,7 @@ def test_row_layout_is_what_the_codecs_pack(q, dtype, dims):
         assert codec.backend.bits == q.bits_of(which)
         rows = codec.encode(torch.randn(2, 3, 2 * q.group_size, dim).to(dtype))  # [B, H, N, row]
         assert rows.shape == (2, 3, 2, spec.row_bytes(dim, which, size))
+        assert rows.shape[-1] % size == 0  # every row's metadata lies aligned for a dtype view
         layout = spec.layout(dim, which, size)
         assert (codec.code_bytes, codec.meta_at, codec.groups, codec.ranges_bytes) == (*layout[:3], layout.ranges_bytes)
 

@@ -63,7 +63,8 @@ def row_layout(bits: int, has_offset: bool, group_size: int, head_dim: int, axis
     groups = head_dim if axis == "channel" else group_size * token_groups(head_dim, group_size)
     if meta_bits == 8:  # [ranges: 4 dtype numbers | offset bytes | scale bytes] (processors/metacodes.py)
         ranges = RANGES * dtype_bytes
-        return RowLayout(code_bytes, meta_at, groups, groups, meta_at + ranges + 2 * groups, ranges)
+        row = -(-(meta_at + ranges + 2 * groups) // dtype_bytes) * dtype_bytes  # padded: every row's ranges aligned
+        return RowLayout(code_bytes, meta_at, groups, groups, row, ranges)
     meta_bytes = groups * dtype_bytes
     return RowLayout(code_bytes, meta_at, groups, meta_bytes, meta_at + meta_bytes * (2 if has_offset else 1))
 
