@@ -78,7 +78,7 @@ class QuantizePolicy:
     key_bits: int | None = None  # the keys' bits when not ``bits`` (keys are the sensitive half: e.g. 4 on a few layers)
     value_bits: int | None = None  # the values' bits when not ``bits``
     meta_bits: int | None = None  # each group's scale and offset: None in the model dtype; 8 as one byte each
-    # on grids of the block (processors/metacodes.py): 0.25 bits per element for groups of 64 instead of 0.5 in bf16
+    # on grids of the block (processors/metacodes.py): 0.27 bits per element for groups of 64 instead of 0.5 in bf16
 
     def bits_of(self, which: str) -> int:
         """Bits of ``"keys"`` or ``"values"``: ``key_bits`` / ``value_bits``, else ``bits``."""

@@ -14,7 +14,7 @@ Interface
   continuation stays in the residual (e.g. residual 128, group 64, a prompt of a multiple of 128
   tokens and no sinks: the prompt is all packed, the continuation all residual); otherwise a
   close proxy. ~M times cheaper, which is what makes the per-layer, per-tensor search affordable.
-- ``upgrade_gains(model, items, base, upgrades, tick=None) -> {name: [gain per layer]}``: ``base``
+- ``upgrade_gains(model, items, base, upgrades, tick=None, layers=None, nll_of=one_pass_nll) -> {name: [gain per layer]}``: ``base``
   (a ``QuantizePolicy`` mapping) on every layer, and layer ``i`` alone given the upgrade
   (``upgrades[name]``, merged over ``base``, e.g. ``{"keys": {"key_bits": 4}, "values":
   {"value_bits": 4}}``): the gain is ``ppl_base / ppl_i - 1``, what that upgrade buys where every
@@ -22,7 +22,8 @@ Interface
   ``items``: ``(prefilled, continuation, mask)`` triples (texts ``[N, ...]`` in a batch, or one
   retrieval sample each), scored by ``one_pass_nll``; ``mask`` (bool like the continuation, or
   None for all) picks the tokens that count, e.g. only a pass key's digits. The perplexity is
-  over every counted token of every item.
+  over every counted token of every item. ``layers``: measure only these (0 elsewhere);
+  ``nll_of``: how an item is scored (``one_pass_nll``; ``decode_gains`` passes step decoding).
 - ``mixed_upgrades(base, gains, upgrades, k, name) -> dict``: a policy dict: ``base`` everywhere,
   and the ``k`` (layer, upgrade) pairs of the largest gain applied, merged per layer into one
   override each (a layer given keys and values upgrades gets both).
@@ -43,7 +44,8 @@ Interface
   None), then up to ``k`` new picks.
 - ``decode_gains(model, items, base, upgrades, layers, tick=None) -> {name: [gain per layer]}``: as
   ``upgrade_gains``, for the given ``layers`` only (0 elsewhere), but each text scored by
-  teacher-forced *step* decoding through the cache (``multitext.teacher_forced``), so the tokens
+  teacher-forced *step* decoding through the cache (``multitext.teacher_forced``: ``upgrade_gains``
+  with ``nll_of=_decode_nll``), so the tokens
   quantized while decoding count too: where int4 loses (its one-pass loss on train text is within
   the noise). ``items``: ``(prefilled, continuation)`` pairs (texts ``[N, ...]`` in a batch).
   Costs a decode step per token per candidate (~100x ``upgrade_gains``): give it a short list.
@@ -101,55 +103,44 @@ def one_pass_nll(model, cache, prefilled, continuation: torch.Tensor) -> torch.T
     return nll if continuation.dim() > 1 else nll[0]
 
 
-def _ppl(model, items, policy) -> float:
-    """Perplexity over every counted token of every item, each scored by ``one_pass_nll``."""
+def _ppl(model, items, policy, nll_of=one_pass_nll) -> float:
+    """Perplexity over every counted token of every item, each scored by ``nll_of`` (``one_pass_nll``,
+    or ``_decode_nll``) through a cache of ``policy`` seeded with the item's prompt."""
     from tiercache import TieredCache
 
     total, count = 0.0, 0
     for prefilled, continuation, mask in items:
         cache = seeded.seed(TieredCache.from_policy(policy, model.config), prefilled)
-        nll = one_pass_nll(model, cache, prefilled, continuation)
+        nll = nll_of(model, cache, prefilled, continuation)
         cache.close()
         nll = nll if mask is None else nll[mask]
         total, count = total + nll.sum().item(), count + nll.numel()
     return math.exp(total / count)
 
 
-def upgrade_gains(model, items, base: dict, upgrades: dict, tick=None) -> dict:
-    ref = _ppl(model, items, {"name": "base", "quantize": dict(base)})
-    gains = {name: [] for name in upgrades}
-    for i in range(len(items[0][0].kv)):
-        for name, upgrade in upgrades.items():
-            policy = policy_of(base, [(i, name)], upgrades, f"{name}-{i}")
-            gains[name].append(ref / _ppl(model, items, policy) - 1)
-            if tick:
-                tick(i, name, gains[name][-1])
-    return gains
-
-
-def _decode_ppl(model, items, policy) -> float:
-    from tiercache import TieredCache
-    from tiercache.bench import multitext
-
-    total, count = 0.0, 0
-    for prefilled, continuation in items:
-        cache = seeded.seed(TieredCache.from_policy(policy, model.config), prefilled)
-        nll = multitext.teacher_forced(model, cache, prefilled, continuation).nll
-        cache.close()
-        total, count = total + nll.sum().item(), count + nll.numel()
-    return math.exp(total / count)
-
-
-def decode_gains(model, items, base: dict, upgrades: dict, layers, tick=None) -> dict:
+def upgrade_gains(model, items, base: dict, upgrades: dict, tick=None, layers=None, nll_of=one_pass_nll) -> dict:
+    """(``layers``: measure only these, 0 elsewhere; ``nll_of``: how each item is scored, see ``_ppl``.)"""
     n = len(items[0][0].kv)
-    ref = _decode_ppl(model, items, {"name": "base", "quantize": dict(base)})
+    ref = _ppl(model, items, {"name": "base", "quantize": dict(base)}, nll_of)
     gains = {name: [0.0] * n for name in upgrades}
-    for i in layers:
+    for i in range(n) if layers is None else layers:
         for name in upgrades:
-            gains[name][i] = ref / _decode_ppl(model, items, policy_of(base, [(i, name)], upgrades, f"{name}-{i}")) - 1
+            policy = policy_of(base, [(i, name)], upgrades, f"{name}-{i}")
+            gains[name][i] = ref / _ppl(model, items, policy, nll_of) - 1
             if tick:
                 tick(i, name, gains[name][i])
     return gains
+
+
+def _decode_nll(model, cache, prefilled, continuation: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced step decoding through ``cache``: ``[N, M]`` as ``one_pass_nll`` gives it."""
+    from tiercache.bench import multitext
+
+    return multitext.teacher_forced(model, cache, prefilled, continuation).nll
+
+
+def decode_gains(model, items, base: dict, upgrades: dict, layers, tick=None) -> dict:
+    return upgrade_gains(model, [(p, c, None) for p, c in items], base, upgrades, tick, layers, _decode_nll)
 
 
 def policy_of(base: dict, picks, upgrades: dict, name: str, description: str = "") -> dict:

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 from tiercache.policy import QuantizePolicy
 
-RANGES = 4  # meta_bits 8: the grid numbers of a row (processors/metacodes.py: o0, o_step, l0, l_step)
+RANGES = 4  # meta_bits 8: the grid numbers of a row (processors/metacodes.py: o0, o_step, s0, s_step)
 
 
 def token_groups(head_dim: int, group_size: int) -> int:

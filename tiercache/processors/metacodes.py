@@ -66,7 +66,7 @@ def cover(lo: torch.Tensor, hi: torch.Tensor, bits: int, dtype: torch.dtype):
     lo, hi = lo.float(), hi.float()
     levels = 2**bits - 1
     o0, o_step, w = _grid(lo, dtype, up=False)
-    zeros = torch.zeros_like(w)
+    zeros = torch.zeros_like(w)  # the offsets alone first: a placeholder scale grid, its half unused
     offset = _points(o0, o_step, w, o0, o_step, zeros, dtype)[1]
     w = torch.where((offset > lo) & (w > 0), w - 1, w)  # the dtype rounded a point above lo: one lower
     offset = _points(o0, o_step, w, o0, o_step, zeros, dtype)[1]
