@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from models import FAMILIES, build, prompt
+from models import FAMILIES, MORE_FAMILIES, build, prompt
 from tiercache import TieredCache
 from tiercache.processors.quantize import Quantize
 
@@ -82,6 +82,28 @@ def test_logits_close_to_full_precision(family, fmt, bits, tol):
             a = model(nxt, past_key_values=ref, use_cache=True).logits
             b = model(nxt, past_key_values=ours, use_cache=True).logits
     assert ((a - b).norm() / a.norm()).item() < tol
+
+
+@pytest.mark.parametrize("family", FAMILIES + MORE_FAMILIES)
+def test_meta_bits_8_in_generate(family):
+    """Scales and offsets as bytes on every family: int8 codes stay as close to full precision as
+    int8 with dtype metadata is held to, and beam search (reorders of the byte rows) runs."""
+    model = build(family)
+    ids = prompt(2, 24)
+    meta8 = {"meta_bits": 8, "sink_tokens": 2}
+    ref = DynamicCache(config=model.config)
+    ours = TieredCache.from_policy({"name": "q8m8", "quantize": {**policy(8)["quantize"], **meta8}}, model.config)
+    with torch.no_grad():
+        a = model(ids, past_key_values=ref, use_cache=True).logits
+        b = model(ids, past_key_values=ours, use_cache=True).logits
+        for _ in range(6):
+            nxt = a[:, -1:].argmax(-1)
+            a = model(nxt, past_key_values=ref, use_cache=True).logits
+            b = model(nxt, past_key_values=ours, use_cache=True).logits
+    assert ((a - b).norm() / a.norm()).item() < 0.02
+    cache = TieredCache.from_policy({"name": "q4m8", "quantize": {**policy(4)["quantize"], **meta8}}, model.config)
+    out = gen(model, cache, prompt(1, 14), **MODES["beam"])
+    assert out.shape == (2, 24) and cache.get_seq_length() == 23
 
 
 def test_quanto_and_hqq_backends_generate():
