@@ -65,6 +65,21 @@ def test_constant_groups_and_zero_rows_stay_exact(dtype):
     assert (y[0, 1, 1, :, 3].float() - 1.5).abs().max() <= step  # within a step of the row's widest group
 
 
+def test_rebuild_from_shaped_operands_is_expand_exactly():
+    """The decoder's path (``operands`` made once per rows, ``rebuild`` per step) gives expand's
+    very numbers, already in the decoder's broadcast shape, for either axis's shape."""
+    g = torch.Generator().manual_seed(3)
+    lo = torch.randn(2, 3, 5, 64, generator=g)
+    hi = lo + torch.rand(2, 3, 5, 64, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        _, _, ranges, codes = metacodes.cover(lo, hi, 4, dtype)
+        for shape in ((1, 64), (64, 1, 1), (16, 4, 1)):
+            got = metacodes.rebuild(metacodes.operands(ranges, codes, shape))
+            for a, b in zip(got, metacodes.expand(ranges, codes)):
+                assert a.shape == (2, 3, 5, *shape) and a.dtype == dtype
+                assert torch.equal(a, b.reshape(a.shape))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("axis", ["channel", "token"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -82,8 +97,7 @@ def test_packed_round_trip_within_half_a_widened_step(dtype, axis, bits, clip):
     ref = (plain.roundtrip(x).float() - x.float()).pow(2).mean().sqrt()
     assert err <= ref * 1.1  # the bytes cost under 10% of the error (measured: 0-5%)
     if clip == "minmax":  # nothing clipped: every element within half its group's step (+ the dtype's rounding)
-        _, ranges, meta = meta8._parts(rows, remember=False)
-        scale, offset = (t.float().reshape(2, 3, 3, *meta8.meta_shape) for t in metacodes.expand(ranges, meta))
+        scale, offset = (t.float() for t in metacodes.rebuild(meta8._parts(rows, remember=False)[1]))  # [B, H, N, *meta]
         x5 = x.float().reshape(2, 3, 3, *meta8.shape)  # [B, H, N, G, D] (token axis: [.., G, 1, D])
         dev = (out.float().reshape(x5.shape) - x5).abs()
         rounding = 2 * torch.finfo(dtype).eps * (x5.abs() + offset.abs()) + 1e-6

@@ -182,7 +182,7 @@ class BlockCodec:
         view = out.view(b, h, n, *self.shape)  # [B, H, N, G, D] over the caller's output
         codes, scale, offset = self._parts(rows, remember)
         if self.meta8:  # rebuilt at every decode (small: one pair per group), never remembered stale
-            scale, offset = (t.reshape(*rows.shape[:3], *self.meta_shape) for t in metacodes.expand(scale, offset))
+            scale, offset = metacodes.rebuild(scale)
         self._unpack_into(codes, view)
         if offset is None:  # fp8
             view.mul_(scale)
@@ -199,9 +199,10 @@ class BlockCodec:
         if self._last is not None and self._last[0] == key:
             return self._last[1]
         codes = rows.narrow(-1, 0, self.code_bytes)
-        if self.meta8:  # (codes, ranges [.., 4] in the dtype, offset and scale bytes [.., 2 * groups])
+        if self.meta8:  # (codes, the operands of metacodes.rebuild: views of the grid numbers and bytes, None)
             at = self.meta_at + self.ranges_bytes
-            parts = (codes, self._dtype_view(rows[..., self.meta_at : at]), rows[..., at : at + 2 * self.groups])
+            ranges, meta = self._dtype_view(rows[..., self.meta_at : at]), rows[..., at : at + 2 * self.groups]
+            parts = (codes, metacodes.operands(ranges, meta, self.meta_shape), None)
         else:
             parts = (codes, self._meta(rows, 0), self._meta(rows, 1) if self.backend.has_offset else None)
         if remember:

@@ -33,6 +33,11 @@ Interface
         ``codes`` ``[..., 2 * groups]`` uint8 (offset bytes, then scale bytes).
     expand(ranges, codes) -> (scale, offset)    the inverse, ``[..., groups]`` in the dtype of
         ``ranges``: one ``addcmul`` of the bytes (views of one ``[..., 2, groups]`` result)
+    operands(ranges, codes, shape) -> (base, codes, step, axis)
+        views of a row's parts shaped so that ``rebuild`` yields ``[..., *shape]`` directly
+        (``shape``: how a decoder broadcasts one block's groups); made once per rows and kept
+    rebuild(operands) -> (scale, offset)        ``expand``'s very arithmetic on those views: one
+        ``addcmul`` and two ``select`` per decode, no reshapes
 """
 
 from __future__ import annotations
@@ -84,6 +89,18 @@ def _points(o0, o_step, w, s0, s_step, u, dtype):
     """(scale, offset) float32 as ``expand`` rebuilds them from these grid numbers and indices."""
     scale, offset = expand(torch.cat([o0, o_step, s0, s_step], -1).to(dtype), torch.cat([w, u], -1).to(torch.uint8))
     return scale.float(), offset.float()
+
+
+def operands(ranges: torch.Tensor, codes: torch.Tensor, shape: tuple[int, ...]):
+    lead = ranges.shape[:-1]
+    r = ranges.view(*lead, 2, *[1] * (len(shape) - 1), RANGES // 2)  # [..., 2, 1.., 2]: (base, step) of each grid
+    return r[..., :1], codes.view(*lead, 2, *shape), r[..., 1:], -1 - len(shape)  # base, bytes, step, the "2" axis
+
+
+def rebuild(operands):
+    base, codes, step, axis = operands
+    points = torch.addcmul(base, codes, step)  # [..., 2, *shape] in the dtype: offsets, then scales
+    return points.select(axis, 1), points.select(axis, 0)
 
 
 def expand(ranges: torch.Tensor, codes: torch.Tensor):
