@@ -32,7 +32,7 @@ Interface
         is constant); ``ranges`` ``[..., 4]`` in ``dtype`` (``o0, o_step, s0, s_step``);
         ``codes`` ``[..., 2 * groups]`` uint8 (offset bytes, then scale bytes).
     expand(ranges, codes) -> (scale, offset)    the inverse, ``[..., groups]`` in the dtype of
-        ``ranges``: one ``addcmul`` of the bytes (views of one ``[..., 2, groups]`` result)
+        ``ranges``: ``rebuild(operands(ranges, codes, (groups,)))``, the decoder's very arithmetic
     operands(ranges, codes, shape) -> (base, codes, step, axis)
         views of a row's parts shaped so that ``rebuild`` yields ``[..., *shape]`` directly
         (``shape``: how a decoder broadcasts one block's groups); made once per rows and kept
@@ -104,6 +104,4 @@ def rebuild(operands):
 
 
 def expand(ranges: torch.Tensor, codes: torch.Tensor):
-    r = ranges.unflatten(-1, (2, RANGES // 2))  # [..., 2, 2]: (offset base, step), (scale base, step)
-    points = torch.addcmul(r[..., :1], codes.unflatten(-1, (2, -1)), r[..., 1:])  # [..., 2, groups] in the dtype
-    return points[..., 1, :], points[..., 0, :]
+    return rebuild(operands(ranges, codes, (codes.shape[-1] // 2,)))  # [..., groups] each
