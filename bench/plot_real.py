@@ -18,7 +18,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiercache.bench import realbench, retrievalbench, summary  # noqa: E402
-from tiercache.errors import PolicyError  # noqa: E402
 from tiercache.planner import resolve_model  # noqa: E402
 
 
@@ -30,18 +29,14 @@ def main(argv=None) -> int:
     p.add_argument("--setups", default=None, help="comma-separated: show only these (in this order; default: all)")
     p.add_argument("--out", default="out/summary/real-quality.png", help="the plot; the table goes beside it (.md)")
     args = p.parse_args(argv)
-    try:
+    try:  # PolicyError (an unknown model) is a ValueError
         meta, ppl_rows = summary.merge_perplexity([json.loads(Path(f).read_text()) for f in args.ppl])
         retrieval = summary.merge_retrieval([json.loads(Path(f).read_text()) for f in args.retrieval])
+        model = resolve_model(args.model or meta["model"])
     except (OSError, ValueError, KeyError) as e:
         print(f"plot_real: {e}", file=sys.stderr)
         return 2
-    try:
-        model = resolve_model(args.model or meta["model"])
-    except PolicyError as e:
-        print(f"plot_real: {e}", file=sys.stderr)
-        return 2
-    builds = {**{n: b for n, b in retrievalbench.SETUPS.items()}, **{n: s[1] for n, s in realbench.SETUPS.items()}}
+    builds = {**retrievalbench.SETUPS, **{n: s[1] for n, s in realbench.SETUPS.items()}}
     bits = {n: summary.bits_per_element(builds[n], model) for n in {*ppl_rows, *retrieval} if n in builds}
     rows = summary.summary_rows(ppl_rows, retrieval, bits)
     if args.setups:

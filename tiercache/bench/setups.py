@@ -13,6 +13,8 @@ Interface
 - ``factory(spec, config, device="cpu") -> () -> cache``: a benchmark table's setup spec: a
   ``BASELINES`` name, a config file under ``configs/`` (``"int4-kivi.yaml"``), a whole policy
   dict (one with a ``"quantize"`` key) or a ``QuantizePolicy`` mapping for every layer.
+- ``policy_of(spec) -> Policy``: the policy of such a spec that is not a baseline (what
+  ``factory`` builds; ``summary.bits_per_element`` counts its bytes).
 - ``cache_nbytes(cache) -> {place: bytes}``: ``cache.nbytes()`` for tiercache; for other caches
   the bytes of every tensor held by its layers, quantized storage included (tensor subclasses such
   as quanto's are walked through ``__tensor_flatten__``; shared storage is counted once).
@@ -115,13 +117,20 @@ def _quantized(config, backend: str, bits: int, axis: int):
 def factory(spec, config, device="cpu") -> Callable:
     if isinstance(spec, str) and spec in BASELINES:
         return baseline_setups([spec], config, str(device))[0].make
-    from tiercache import TieredCache, load_policy
+    from tiercache import TieredCache
+
+    policy = policy_of(spec)
+    return lambda: TieredCache.from_policy(policy, config)
+
+
+def policy_of(spec):
+    """The ``Policy`` of a non-baseline setup spec: a YAML file under ``configs/``, a whole policy
+    mapping, or a ``quantize`` mapping alone."""
+    from tiercache import load_policy
 
     if isinstance(spec, str):
-        policy = load_policy(str(REPO_CONFIGS / spec))
-    else:
-        policy = load_policy(spec if "quantize" in spec else {"name": "inline", "quantize": spec})
-    return lambda: TieredCache.from_policy(policy, config)
+        return load_policy(str(REPO_CONFIGS / spec))
+    return load_policy(spec if "quantize" in spec else {"name": "inline", "quantize": spec})
 
 
 def cache_nbytes(cache) -> dict[str, int]:

@@ -32,12 +32,11 @@ from __future__ import annotations
 from tiercache.bench import setups
 
 REFERENCE = "DynamicCache"
-_QUANTO_GROUP = 64
-SPLIT_BITS = 3.5  # the plot's quality panels: the 4-bit setups apart from the 2-bit ones (each its own scale)  # setups._quantized: q_group_size=64, a scale and a zero point per group in the dtype
+_QUANTO_GROUP = 64  # setups._quantized: q_group_size=64, a scale and a zero point per group in the dtype
+SPLIT_BITS = 3.5  # the plot's quality panels: the 4-bit setups apart from the 2-bit ones (each its own scale)
 
 
 def bits_per_element(build, model, dtype_bytes: int = 2) -> float:
-    from tiercache import load_policy
     from tiercache.footprint import row_bytes
 
     if isinstance(build, str) and build in setups.BASELINES:
@@ -45,12 +44,8 @@ def bits_per_element(build, model, dtype_bytes: int = 2) -> float:
             return 8.0 * dtype_bytes
         bits = int(build.rsplit("int", 1)[1])
         return bits + 2 * 8 * dtype_bytes / _QUANTO_GROUP
-    if isinstance(build, str):
-        policy = load_policy(str(setups.REPO_CONFIGS / build))
-    else:
-        policy = load_policy(build if "quantize" in build else {"name": "inline", "quantize": build})
     total, layers = 0.0, 0
-    for lp in policy.resolve(model):
+    for lp in setups.policy_of(build).resolve(model):
         if model.kv_sharing(lp.index) == "reuse":  # reads another layer's K/V: holds none
             continue
         layers += 1
@@ -156,11 +151,6 @@ def markdown(rows: list[dict], meta: dict) -> str:
         delta = f"{r['delta']:+.1f}" if "delta" in r else "–"
         lines.append("| " + " | ".join([r["name"], bits] + [_interval(r.get(k)) for k in kinds] + [found, delta]) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _mean(row: dict, kinds) -> float:
-    means = [row[k]["mean"] for k in kinds if row.get(k)]
-    return sum(means) / len(means)
 
 
 def plot(rows: list[dict], meta: dict, path) -> None:
