@@ -33,6 +33,20 @@ def gen(model, cache, ids, **kw):
     return model.generate(ids, past_key_values=cache, **kw)
 
 
+def logits_error(model, ours, ids, steps: int = 6) -> float:
+    """Relative error of ``ours``' logits against ``DynamicCache``'s after a prefill of ``ids`` and
+    ``steps`` greedy steps (both fed full precision's tokens)."""
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        a = model(ids, past_key_values=ref, use_cache=True).logits
+        b = model(ids, past_key_values=ours, use_cache=True).logits
+        for _ in range(steps):
+            nxt = a[:, -1:].argmax(-1)
+            a = model(nxt, past_key_values=ref, use_cache=True).logits
+            b = model(nxt, past_key_values=ours, use_cache=True).logits
+    return ((a - b).norm() / a.norm()).item()
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generate_with_quantized_policy(family, mode):
@@ -73,15 +87,7 @@ def test_sliding_layers_left_in_full_precision_by_override(family):
 def test_logits_close_to_full_precision(family, fmt, bits, tol):
     model = build(family)
     ids = prompt(2, 24)
-    ref, ours = DynamicCache(config=model.config), TieredCache.from_policy(policy(bits, fmt), model.config)
-    with torch.no_grad():
-        a = model(ids, past_key_values=ref, use_cache=True).logits
-        b = model(ids, past_key_values=ours, use_cache=True).logits
-        for _ in range(6):
-            nxt = a[:, -1:].argmax(-1)
-            a = model(nxt, past_key_values=ref, use_cache=True).logits
-            b = model(nxt, past_key_values=ours, use_cache=True).logits
-    assert ((a - b).norm() / a.norm()).item() < tol
+    assert logits_error(model, TieredCache.from_policy(policy(bits, fmt), model.config), ids) < tol
 
 
 @pytest.mark.parametrize("family", FAMILIES + MORE_FAMILIES)
@@ -91,16 +97,8 @@ def test_meta_bits_8_in_generate(family):
     model = build(family)
     ids = prompt(2, 24)
     meta8 = {"meta_bits": 8, "sink_tokens": 2}
-    ref = DynamicCache(config=model.config)
     ours = TieredCache.from_policy({"name": "q8m8", "quantize": {**policy(8)["quantize"], **meta8}}, model.config)
-    with torch.no_grad():
-        a = model(ids, past_key_values=ref, use_cache=True).logits
-        b = model(ids, past_key_values=ours, use_cache=True).logits
-        for _ in range(6):
-            nxt = a[:, -1:].argmax(-1)
-            a = model(nxt, past_key_values=ref, use_cache=True).logits
-            b = model(nxt, past_key_values=ours, use_cache=True).logits
-    assert ((a - b).norm() / a.norm()).item() < 0.02
+    assert logits_error(model, ours, ids) < 0.02
     cache = TieredCache.from_policy({"name": "q4m8", "quantize": {**policy(4)["quantize"], **meta8}}, model.config)
     out = gen(model, cache, prompt(1, 14), **MODES["beam"])
     assert out.shape == (2, 24) and cache.get_seq_length() == 23
