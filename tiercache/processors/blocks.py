@@ -28,8 +28,8 @@ Dequantization runs over all blocks at once, straight into the caller's output s
 are unpacked all planes at once (one broadcast shift and one mask over the bytes, then one
 casting copy into the planes' tokens; plane by plane when the output is strided), then
 ``out * scale + offset`` in place, so a step costs one pass over the packed history and two
-over its dequantized output, with no temporary of the output's size (the codes' uint8 one is
-a quarter of it at most).
+over its dequantized output, with no temporary of the output's size (the unpacked codes' one
+is a byte per element: half of a bf16 output, a quarter of fp32).
 """
 
 from __future__ import annotations
