@@ -2,7 +2,6 @@
 ``scope: total``, the prefill chunk ``auto`` and ``plan`` pick, and the CLI lines."""
 
 import pytest
-import torch
 
 import tiercache
 from models import build

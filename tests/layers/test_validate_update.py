@@ -43,7 +43,7 @@ BAD = [
     ("rank-5", lambda h, dk, dv: tuple(t[None] for t in pair(h, dk, dv)), "key must have rank 4"),
     ("tokens-differ", lambda h, dk, dv: (pair(h, dk, dv, t=2)[0], pair(h, dk, dv)[1]), r"key and value must agree on \[batch, heads, tokens\]"),
     ("key-value-dtypes", lambda h, dk, dv: (pair(h, dk, dv)[0], pair(h, dk, dv)[1].double()), "key and value differ"),
-    ("heads", lambda h, dk, dv: pair(h + 1, dk, dv), rf"kv head count: the layer holds \d+, the update has \d+"),
+    ("heads", lambda h, dk, dv: pair(h + 1, dk, dv), r"kv head count: the layer holds \d+, the update has \d+"),
     ("key-dim", lambda h, dk, dv: pair(h, dk + 2, dv), r"key head dim: the layer holds \d+, the update has \d+"),
     ("value-dim", lambda h, dk, dv: pair(h, dk, dv - 2), r"value head dim: the layer holds \d+, the update has \d+"),
     ("batch", lambda h, dk, dv: pair(h, dk, dv, batch=B + 1), r"batch size \(use select / repeat_interleave / reorder to change it\): "

@@ -103,6 +103,7 @@ def sweep(chain: Chain, path: str, inject, fault: OneShot, message: str) -> bool
         assert_no_stray_files(cache, path)
     cache.close()
     assert files_under(path) == []
+    assert failed or not fault.fired, "the fault fired but no update reported it"
     return fault.fired
 
 
