@@ -59,7 +59,7 @@ def _floats(text: str) -> list[float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help=f"a built-in name ({', '.join(builtin.NAMES)}) or a path")
-    p.add_argument("--setups", default=",".join(realbench.DEFAULT), help="comma-separated names from realbench.SETUPS")
+    p.add_argument("--setups", default=",".join(realbench.DEFAULT), help="comma-separated names from realbench.SETUPS, or policy YAML paths")
     p.add_argument("--prompt", type=int, default=1024, help="prefill tokens before the scored text")
     p.add_argument("--tokens", type=int, default=128, help="teacher-forced tokens scored per text")
     p.add_argument("--texts", default="code,prose")
@@ -98,6 +98,12 @@ def main(argv=None) -> int:
     p.add_argument("--start-from", default=None, help="--objective joint: an earlier run's upgrade_greedy.json; its "
                    "picks are kept and the search goes on from them, to --upgrade picks in all")
     args = p.parse_args(argv)
+    names = [n.strip() for n in args.setups.split(",") if n.strip()]
+    try:
+        realbench.setup_names(names)  # before the model loads: a typo costs no conversion
+    except ValueError as e:
+        print(f"bench_real: error: {e}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     from tiercache.bench.tiny import ModelLoadError, load_model
@@ -111,7 +117,6 @@ def main(argv=None) -> int:
         return _sensitivity(model, tok, args)
     if args.upgrade_search:
         return _upgrade_search(model, tok, args)
-    names = [n.strip() for n in args.setups.split(",") if n.strip()]
     rows, meta = realbench.run(model, tok, names, args.prompt, args.tokens, [k for k in args.texts.split(",") if k],
                                args.greedy_tokens, args.contexts, args.depths, retrieval_names=None if
                                args.retrieval_setups is None else args.retrieval_setups.split(","),

@@ -40,7 +40,7 @@ def _write(records, names, meta, out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     text = retrievalbench.markdown(records, names, meta)
     (out / "retrieval.md").write_text(text + "\n")
-    rows = retrievalbench.table(records, retrievalbench._names(names))
+    rows = retrievalbench.table(records, retrievalbench._names(names, exist=False))
     plain = [{**r, "by_length": {str(k): list(v) for k, v in r["by_length"].items()}} for r in rows]
     (out / "retrieval.json").write_text(json.dumps({"meta": meta, "names": names, "rows": plain, "records": records},
                                                    indent=1))
@@ -67,7 +67,7 @@ def _merge(paths, out: Path) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help=f"a built-in name ({', '.join(builtin.NAMES)}) or a path")
-    p.add_argument("--setups", default=",".join(retrievalbench.DEFAULT), help="comma-separated names from SETUPS")
+    p.add_argument("--setups", default=",".join(retrievalbench.DEFAULT), help="comma-separated names from SETUPS, or policy YAML paths")
     p.add_argument("--contexts", type=_ints, default=[1024, 2048, 4096, 7168], help="context lengths, tokens")
     p.add_argument("--samples", type=int, default=10, help="samples per context length (depths 0.1-0.9)")
     p.add_argument("--format", default="passkey", choices=sorted(retrieval.FORMATS))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tiercache.bench import realbench, retrievalbench, summary  # noqa: E402
+from tiercache.bench import realbench, retrievalbench, setups, summary  # noqa: E402
 from tiercache.planner import resolve_model  # noqa: E402
 
 
@@ -37,7 +37,9 @@ def main(argv=None) -> int:
         print(f"plot_real: {e}", file=sys.stderr)
         return 2
     builds = {**retrievalbench.SETUPS, **{n: s[1] for n, s in realbench.SETUPS.items()}}
-    bits = {n: summary.bits_per_element(builds[n], model) for n in {*ppl_rows, *retrieval} if n in builds}
+    policy_files = {n for n in {*ppl_rows, *retrieval} if n.endswith(setups.POLICY_SUFFIXES) and Path(n).is_file()}
+    bits = {n: summary.bits_per_element(setups.spec_of(n, builds), model)
+            for n in {*ppl_rows, *retrieval} if n in builds or n in policy_files}
     rows = summary.summary_rows(ppl_rows, retrieval, bits)
     if args.setups:
         order = [n.strip() for n in args.setups.split(",") if n.strip()]

@@ -188,6 +188,23 @@ def test_run_rows_on_the_tiny_model():
         realbench.run(model, tok, ["nope"], 96, 6, ["code"], 0, [], [])
 
 
+def test_a_policy_file_is_measured_as_its_inline_twin(tmp_path):
+    """A user's policy YAML given by path: the same bytes and perplexity as the same policy
+    inline, described as that file; a missing file is refused by ``setup_names``."""
+    model, tok = load_model("tiny")
+    mine = tmp_path / "mine.yml"
+    mine.write_text("name: mine\nquantize: {backend: native, group_size: 64, residual_length: 128, "
+                    "key_axis: channel, value_axis: token, bits: 2, sink_tokens: 4}\n")
+    rows, _ = realbench.run(model, tok, [str(mine), "int2 +sinks"], 300, 6, ["code"], 0, [], [],
+                            log=lambda *_: None, texts_per_kind=2)
+    got = {r["name"]: r for r in rows}
+    assert got[str(mine)]["what"] == f"the policy file {mine}"
+    assert got[str(mine)]["bytes"] == got["int2 +sinks"]["bytes"]
+    assert got[str(mine)]["ppl"] == got["int2 +sinks"]["ppl"] != got["DynamicCache"]["ppl"]
+    with pytest.raises(ValueError, match="policy file not found"):
+        realbench.setup_names([str(tmp_path / "gone.yaml")])
+
+
 def test_every_named_setup_builds_a_cache_for_smollm2_shaped_configs():
     """Every setup the benchmarks name (inline policies and config files, ``meta_bits`` ones
     included) loads and builds a cache for a SmolLM2-shaped config (30 layers, 3 KV heads of 64),

@@ -5,12 +5,13 @@ same samples for the same seed, the answer read as a first number, accuracy agai
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from tiercache.bench import retrieval, retrievalbench
+from tiercache.bench import retrieval, retrievalbench, setups
 from tiercache.bench.tiny import ByteTokenizer, load_model
 
 FORMATS = sorted(retrieval.FORMATS)
@@ -114,6 +115,24 @@ def test_run_answers_as_prefilling_context_and_question_through_one_cache():
     assert [r["answers"] for r in again if r["key"] == records[0]["key"]] == [records[0]["answers"]]
     with pytest.raises(ValueError, match="unknown setup"):
         retrievalbench.run(model, tok, ["nope"], [400], 1)
+
+
+def test_a_policy_file_is_a_setup_as_its_named_copy_is(tmp_path, monkeypatch):
+    """A user's policy YAML given by a path from the working directory answers exactly as the
+    same policy under its benchmark name; a missing file or an unknown name is refused before
+    anything runs, and a merge of earlier runs does not need the file any more."""
+    model, tok = load_model("tiny")
+    monkeypatch.chdir(tmp_path)
+    mine = Path("mine.yaml")
+    mine.write_text((setups.REPO_CONFIGS / "int2-sinks.yaml").read_text())
+    records = retrievalbench.run(model, tok, [str(mine), "int2-sinks"], [400], 2, fmt="kv", log=lambda *_: None)
+    assert all(r["answers"][str(mine)] == r["answers"]["int2-sinks"] for r in records)
+    with pytest.raises(ValueError, match=r"policy file not found: .*gone\.yaml"):
+        retrievalbench.run(model, tok, [str(tmp_path / "gone.yaml")], [400], 1)
+    with pytest.raises(ValueError, match=r"unknown setup \['int2-sink'\]; allowed: .*or a policy file"):
+        retrievalbench.run(model, tok, ["int2-sink"], [400], 1)
+    mine.unlink()
+    assert f"| {mine} | " in retrievalbench.markdown(records, [str(mine)], {"format": "kv"})
 
 
 def test_unique_keeps_one_record_per_sample():

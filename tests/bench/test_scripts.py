@@ -72,6 +72,18 @@ def test_bench_script_runs(script, args, expected, tmp_path):
         assert text in out.stdout, f"{text!r} missing from the output of {script}:\n{out.stdout[-3000:]}"
 
 
+@pytest.mark.parametrize("script", ["bench_real.py", "bench_retrieval.py"])
+def test_a_bad_setup_is_refused_before_the_model_loads(script, tmp_path):
+    # smollm2-135m is not converted in a clean test cache: an error about it would mean the
+    # names were checked too late
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parent), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    for setups, message in (("DynamicCache,nope", "unknown setup ['nope']"),
+                            ("DynamicCache,gone.yaml", "policy file not found: gone.yaml")):
+        out = subprocess.run([sys.executable, str(BENCH / script), "--setups", setups, "--out", "out"],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
 def test_gpu_suite_dry_run(tmp_path):
     """bench/gpu_suite.sh --dry-run: the long-context table on a tiny shape, on the CPU."""
     import os

@@ -98,14 +98,16 @@ def run_script(*args, cwd):
 
 def test_script(tmp_path):
     a, r = tmp_path / "a.json", tmp_path / "r.json"
-    run = ppl_run({"int4 +sinks": (0.005, 0.01)})
+    (tmp_path / "mine.yaml").write_text("name: mine\nquantize: {backend: native, bits: 2, group_size: 64}\n")
+    run = ppl_run({"int4 +sinks": (0.005, 0.01), "mine.yaml": (0.1, 0.2)})  # a policy file run by path
     run["meta"]["model"] = "tiny"
     a.write_text(json.dumps(run))
     r.write_text(json.dumps(ret_run(0, {"DynamicCache": {1024: (10, 10)}, "int4-sinks": {1024: (9, 10)}})))
     out = tmp_path / "s" / "q.png"
     proc = run_script("--ppl", str(a), "--retrieval", str(r), "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert out.is_file() and "| int4-sinks | 4.50 |" in out.with_suffix(".md").read_text()
+    table = out.with_suffix(".md").read_text()
+    assert out.is_file() and "| int4-sinks | 4.50 |" in table and "| mine.yaml | 2.50 |" in table
     bad = run_script("--ppl", str(a), "--setups", "nope", "--out", str(out), cwd=tmp_path)
     assert bad.returncode == 2 and "nope" in bad.stderr
     again = run_script("--ppl", str(a), str(a), "--out", str(out), cwd=tmp_path)

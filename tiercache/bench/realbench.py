@@ -5,7 +5,11 @@ Interface
 - ``SETUPS``: name -> (what it is, how to build it: a ``quantize`` mapping, a YAML file in
   ``configs/`` (skipped when absent), or a transformers baseline name from ``setups.BASELINES``);
   ``DEFAULT``: the names run by default. Group 64, residual 128, keys per channel, values per
-  token everywhere, as transformers' QuantizedCache is configured.
+  token everywhere, as transformers' QuantizedCache is configured. A setup name may also be a
+  policy file of the user's (``setup_names``).
+- ``setup_names(asked) -> list[str]``: the setups asked, the reference first; ``ValueError`` for an
+  unknown name or a policy file that is not there (``setups.check_names``), before any model
+  is loaded.
 - ``run(model, tok, names, prompt, tokens, kinds, greedy_tokens, contexts, depths, log, retrieval_names=None)
   -> (rows, meta)``: (retrieval for ``retrieval_names`` only, when given, and the reference)
   every measurement of every setup. ``texts_per_kind`` held-out texts of each kind
@@ -93,20 +97,23 @@ def _close(cache) -> None:
         cache.close()
 
 
+def setup_names(asked) -> list[str]:
+    asked = setups.check_names(asked, SETUPS)
+    return ["DynamicCache", *[n for n in asked if n != "DynamicCache"]]  # the reference first
+
+
 def run(model, tok, names, prompt: int, tokens: int, kinds, greedy_tokens: int, contexts, depths, log=print,
         retrieval_names=None, texts_per_kind: int = 1):
     start = time.perf_counter()
-    unknown = [n for n in names if n not in SETUPS]
-    if unknown:
-        raise ValueError(f"unknown setup {unknown}; allowed: {', '.join(SETUPS)}")
-    names = ["DynamicCache", *[n for n in names if n != "DynamicCache"]]  # the reference first
-    missing = [n for n in names if isinstance(SETUPS[n][1], str) and SETUPS[n][1].endswith(".yaml")
+    names = setup_names(names)
+    missing = [n for n in names if n in SETUPS and isinstance(SETUPS[n][1], str) and SETUPS[n][1].endswith(".yaml")
                and not (setups.REPO_CONFIGS / SETUPS[n][1]).is_file()]
     for n in missing:
         log(f"skipped {n}: {setups.REPO_CONFIGS / SETUPS[n][1]} not found")
     names = [n for n in names if n not in missing]
-    make = {n: setups.factory(SETUPS[n][1], model.config, model.device) for n in names}
-    rows = {n: {"name": n, "what": SETUPS[n][0], "ppl": {}, "ppl_delta": {}, "top1": {}, "seconds": 0.0,
+    table = {n: SETUPS[n] if n in SETUPS else (f"the policy file {n}", n) for n in names}
+    make = {n: setups.factory(table[n][1], model.config, model.device) for n in names}
+    rows = {n: {"name": n, "what": table[n][0], "ppl": {}, "ppl_delta": {}, "top1": {}, "seconds": 0.0,
                 "steps": 0, "retrieval": {}, "ppl_spread": {}} for n in names}
     for kind in kinds:
         ids = multitext.windows(tok, kind, texts_per_kind, prompt + tokens)  # [N, P + M]

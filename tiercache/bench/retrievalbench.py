@@ -2,7 +2,8 @@
 
 Interface
 - ``SETUPS``: name -> a transformers baseline name (``setups.BASELINES``), a YAML file under
-  ``configs/`` or an inline ``quantize`` mapping; ``DEFAULT``: the names run by default.
+  ``configs/`` or an inline ``quantize`` mapping; ``DEFAULT``: the names run by default. A setup
+  name may also be a policy file of the user's (``setups.check_names``).
 - ``run(model, tok, names, contexts, count, fmt="passkey", chat=False, seed=0, log=print, on_sample=None, done=())
   -> list[dict]``: ``count`` samples per context length (depths ``retrieval.spread(count)``, asked
   in ``spread_order``, so a run cut short still covers 0.1-0.9); records in ``done`` (an earlier
@@ -52,10 +53,8 @@ SETUPS = {
 DEFAULT = tuple(SETUPS)
 
 
-def _names(names) -> list[str]:
-    unknown = [n for n in names if n not in SETUPS]
-    if unknown:
-        raise ValueError(f"unknown setup {unknown}; allowed: {', '.join(SETUPS)}")
+def _names(names, exist: bool = True) -> list[str]:
+    names = setups.check_names(names, SETUPS, exist)
     return [REF, *[n for n in names if n != REF]]  # the reference first
 
 
@@ -71,7 +70,7 @@ def spread_order(count: int) -> list[int]:
 def run(model, tok, names, contexts, count: int, fmt: str = "passkey", chat: bool = False, seed: int = 0,
         log=print, on_sample=None, done=(), reverse: bool = False) -> list[dict]:
     names = _names(names)
-    make = {n: setups.factory(SETUPS[n], model.config) for n in names}
+    make = {n: setups.factory(setups.spec_of(n, SETUPS), model.config) for n in names}
     depths = retrieval.spread(count)
     depths = [depths[i] for i in spread_order(count)][:: -1 if reverse else 1]
     records = [r for r in done if set(names) <= set(r["found"])]
@@ -131,7 +130,7 @@ def _cell(got: int, asked: int) -> str:
 
 
 def markdown(records: list[dict], names, meta: dict) -> str:
-    rows = table(records, _names(names))
+    rows = table(records, _names(names, exist=False))  # a merge of earlier runs: the files may have moved
     lengths = sorted({r["context"] for r in records})
     head = ["setup", *[f"{n} tokens" for n in lengths], "all", "Δ vs full precision (points)",
             "of full precision's hits"]

@@ -11,10 +11,16 @@ Interface
   (``dynamic``, ``dynamic-offload`` (CUDA only), ``quanto-int4``, ``quanto-int2``, ``hqq-int4``,
   ``hqq-int2``); ``DEFAULT_BASELINES`` is what runs when none are named.
 - ``factory(spec, config, device="cpu") -> () -> cache``: a benchmark table's setup spec: a
-  ``BASELINES`` name, a config file under ``configs/`` (``"int4-kivi.yaml"``), a whole policy
-  dict (one with a ``"quantize"`` key) or a ``QuantizePolicy`` mapping for every layer.
+  ``BASELINES`` name, a config file under ``configs/`` (``"int4-kivi.yaml"``) or anywhere else
+  (a path, as given or from the working directory), a whole policy dict (one with a
+  ``"quantize"`` key) or a ``QuantizePolicy`` mapping for every layer.
 - ``policy_of(spec) -> Policy``: the policy of such a spec that is not a baseline (what
   ``factory`` builds; ``summary.bits_per_element`` counts its bytes).
+- ``check_names(names, table, exist=True) -> list[str]``: the setup names a benchmark was asked
+  for, each a key of its ``table`` or a policy file (a path ending in ``.yaml`` / ``.yml``, whose
+  build spec is the path itself: ``spec_of``); ``ValueError`` names the unknown ones and what is
+  allowed, and (``exist``) a policy file that is not there.
+- ``spec_of(name, table)``: ``table[name]``, or the name of a policy file.
 - ``cache_nbytes(cache) -> {place: bytes}``: ``cache.nbytes()`` for tiercache; for other caches
   the bytes of every tensor held by its layers, quantized storage included (tensor subclasses such
   as quanto's are walked through ``__tensor_flatten__``; shared storage is counted once).
@@ -129,8 +135,28 @@ def policy_of(spec):
     from tiercache import load_policy
 
     if isinstance(spec, str):
-        return load_policy(str(REPO_CONFIGS / spec))
+        shipped = REPO_CONFIGS / spec
+        return load_policy(str(shipped) if shipped.is_file() else spec)  # else the user's path, named in any error
     return load_policy(spec if "quantize" in spec else {"name": "inline", "quantize": spec})
+
+
+POLICY_SUFFIXES = (".yaml", ".yml")
+
+
+def check_names(names, table, exist: bool = True) -> list[str]:
+    names = list(names)
+    unknown = [n for n in names if n not in table and not str(n).endswith(POLICY_SUFFIXES)]
+    if unknown:
+        raise ValueError(f"unknown setup {unknown}; allowed: {', '.join(table)}, or a policy file "
+                         f"(a path ending in {' or '.join(POLICY_SUFFIXES)})")
+    missing = [n for n in names if n not in table and exist and not Path(n).is_file()]
+    if missing:
+        raise ValueError(f"policy file not found: {', '.join(missing)}")
+    return names
+
+
+def spec_of(name: str, table):
+    return table[name] if name in table else name
 
 
 def cache_nbytes(cache) -> dict[str, int]:
