@@ -2,6 +2,7 @@
 ``scope: total``, the prefill chunk ``auto`` and ``plan`` pick, and the CLI lines."""
 
 import pytest
+import torch
 
 import tiercache
 from models import build
@@ -70,6 +71,21 @@ def test_a_loaded_model_is_counted_exactly():
     p = tiercache.plan({"name": "fp"}, model, 1, 64, device="cpu")
     assert p.whole.line("weights") == module_bytes(model)
     assert p.prefill_chunk == 64
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-random", "smollm2-135m"])
+def test_a_built_in_model_by_name_counts_its_weights_and_activations(name):
+    """Planned by name, without loading it: the weights line is the model's parameters (built on
+    the meta device from the same config), and the activations are counted."""
+    from transformers import AutoModelForCausalLM
+
+    from tiercache.bench import builtin
+
+    p = tiercache.plan({"name": "fp"}, name, 1, 4096, device="cpu")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(builtin.config(name))
+    assert p.whole.line("weights") == 4 * sum(x.numel() for x in model.parameters())  # fp32
+    assert p.whole.line("activations") > 0
 
 
 def test_scope_total_budget_checks_the_whole_run_and_picks_the_chunk():

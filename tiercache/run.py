@@ -83,10 +83,10 @@ def _arch(model) -> Arch | None:
         key = str(model).lower()
         if arch_preset(key) is not None:
             return arch_preset(key)
-        if key in ("tiny", "tiny-random"):
-            from tiercache.bench.tiny import model_config
+        from tiercache.bench import builtin
 
-            return Arch.from_config(model_config(key))
+        if key in builtin.NAMES:  # every built-in model, the real one included (its config ships, no weights)
+            return Arch.from_config(builtin.config(key))
         path = Path(model)
         path = path / "config.json" if path.is_dir() else path
         if path.is_file():
