@@ -12,6 +12,9 @@ Interface
     choose(policy, model, batch, context) -> Policy
         the concrete policy an ``auto`` policy stands for (``TieredCache.from_policy`` calls it).
     resolve_model(name_or_path) -> ModelSpec
+    local_config(name_or_path) -> config | None
+        a built-in model's or a local config.json's config (what ``resolve_model`` and the whole
+        footprint's shapes both read); None for a preset or a hub id
     main_plan(policy_path, model, context, batch, out, err, encoder_length, **run) -> exit code (the
         ``tiercache plan`` CLI; ``run``: ``weights``, ``device``, ``prefill_chunk``, ``runtime`` as
         ``plan`` takes them)
@@ -217,23 +220,16 @@ def resolve_model(model: str) -> ModelSpec:
     key = str(model).lower()
     if key in PRESETS:
         return PRESETS[key]
-    from tiercache.bench import builtin
+    config = local_config(model)
+    if config is not None:
+        from tiercache.bench import builtin
 
-    if key in builtin.NAMES:  # the built-in models (no network, no weights needed)
-        from dataclasses import replace
+        spec = ModelSpec.from_config(config)
+        if key in builtin.NAMES:
+            from dataclasses import replace
 
-        return replace(ModelSpec.from_config(builtin.config(key)), name=key)
-    path = Path(model)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise PolicyError(f"model config {str(path)!r} is not readable JSON: {e}") from e
-        if not isinstance(data, dict):
-            raise PolicyError(f"model config {str(path)!r} must be a JSON object, got {type(data).__name__}")
-        return ModelSpec.from_config(_JsonConfig(data, str(path.parent)))
+            spec = replace(spec, name=key)
+        return spec
     try:
         from transformers import AutoConfig
 
@@ -244,6 +240,29 @@ def resolve_model(model: str) -> ModelSpec:
             f"--model {model!r}: not a preset, a local config, or a reachable hub id ({type(e).__name__}: {e}); "
             f"presets: {names}"
         ) from e
+
+
+def local_config(model: str):
+    """The config of a built-in model (``tiercache.bench.builtin.NAMES``: no network, no weights
+    needed) or of a local dir / config.json (read as JSON), else ``None`` (a preset or a hub id).
+    ``PolicyError`` for a config file that is not a JSON object."""
+    from tiercache.bench import builtin
+
+    key = str(model).lower()
+    if key in builtin.NAMES:
+        return builtin.config(key)
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PolicyError(f"model config {str(path)!r} is not readable JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise PolicyError(f"model config {str(path)!r} must be a JSON object, got {type(data).__name__}")
+    return _JsonConfig(data, str(path.parent))
 
 
 class _JsonConfig:

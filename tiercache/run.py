@@ -15,7 +15,6 @@ when memory is short.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,22 +79,13 @@ def _arch(model) -> Arch | None:
     if isinstance(model, ModelSpec):
         return arch_preset(model.name)
     if isinstance(model, (str, Path)):
-        key = str(model).lower()
-        if arch_preset(key) is not None:
-            return arch_preset(key)
-        from tiercache.bench import builtin
+        if arch_preset(str(model)) is not None:
+            return arch_preset(str(model))
+        from tiercache.planner import local_config
 
-        if key in builtin.NAMES:  # every built-in model, the real one included (its config ships, no weights)
-            return Arch.from_config(builtin.config(key))
-        path = Path(model)
-        path = path / "config.json" if path.is_dir() else path
-        if path.is_file():
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                return None
-            from tiercache.planner import _JsonConfig
-
-            return Arch.from_config(_JsonConfig(data, str(path.parent))) if isinstance(data, dict) else None
-        return None  # a hub id: the cache plan still works; the weights line says unknown
+        try:  # a built-in model (the real one included: its config ships) or a local config
+            config = local_config(str(model))
+        except PolicyError:
+            return None
+        return None if config is None else Arch.from_config(config)  # None: a hub id; the weights line says unknown
     return Arch.from_config(model)
