@@ -37,9 +37,8 @@ def main(argv=None) -> int:
         print(f"plot_real: {e}", file=sys.stderr)
         return 2
     builds = {**retrievalbench.SETUPS, **{n: s[1] for n, s in realbench.SETUPS.items()}}
-    policy_files = {n for n in {*ppl_rows, *retrieval} if n.endswith(setups.POLICY_SUFFIXES) and Path(n).is_file()}
     bits = {n: summary.bits_per_element(setups.spec_of(n, builds), model)
-            for n in {*ppl_rows, *retrieval} if n in builds or n in policy_files}
+            for n in {*ppl_rows, *retrieval} if n in builds or setups.is_policy_file(n)}
     rows = summary.summary_rows(ppl_rows, retrieval, bits)
     if args.setups:
         order = [n.strip() for n in args.setups.split(",") if n.strip()]

@@ -79,8 +79,9 @@ def _arch(model) -> Arch | None:
     if isinstance(model, ModelSpec):
         return arch_preset(model.name)
     if isinstance(model, (str, Path)):
-        if arch_preset(str(model)) is not None:
-            return arch_preset(str(model))
+        preset = arch_preset(str(model))
+        if preset is not None:
+            return preset
         from tiercache.planner import local_config
 
         try:  # a built-in model (the real one included: its config ships) or a local config

@@ -20,6 +20,7 @@ Interface
   for, each a key of its ``table`` or a policy file (a path ending in ``.yaml`` / ``.yml``, whose
   build spec is the path itself: ``spec_of``); ``ValueError`` names the unknown ones and what is
   allowed, and (``exist``) a policy file that is not there.
+- ``is_policy_file(name) -> bool``: a path ending in ``.yaml`` / ``.yml`` that is there.
 - ``spec_of(name, table)``: ``table[name]``, or the name of a policy file.
 - ``cache_nbytes(cache) -> {place: bytes}``: ``cache.nbytes()`` for tiercache; for other caches
   the bytes of every tensor held by its layers, quantized storage included (tensor subclasses such
@@ -149,10 +150,14 @@ def check_names(names, table, exist: bool = True) -> list[str]:
     if unknown:
         raise ValueError(f"unknown setup {unknown}; allowed: {', '.join(table)}, or a policy file "
                          f"(a path ending in {' or '.join(POLICY_SUFFIXES)})")
-    missing = [n for n in names if n not in table and exist and not Path(n).is_file()]
+    missing = [n for n in names if n not in table and exist and not is_policy_file(n)]
     if missing:
         raise ValueError(f"policy file not found: {', '.join(missing)}")
     return names
+
+
+def is_policy_file(name) -> bool:
+    return str(name).endswith(POLICY_SUFFIXES) and Path(name).is_file()
 
 
 def spec_of(name: str, table):
