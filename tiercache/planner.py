@@ -317,7 +317,7 @@ def _form(lp, spec: ModelSpec) -> str:
     kb, vb = q.bits_of("keys"), q.bits_of("values")
     kind = "fp8" if q.format == "fp8" else (f"int{kb}" if kb == vb else f"K{kb}V{vb}")
     extra = (f" sinks{q.sink_tokens}" if q.sink_tokens else "") + (f" clip:{q.clip}" if q.clip != "minmax" else "") + (
-        f" meta{q.meta_bits}" if q.meta_bits else "")
+        f" meta{q.meta_bits}" if q.meta_bits else "") + (f" gain{q.key_gain:g}" if q.key_gain != 1.0 else "")
     return f"{kind} {q.backend} g{q.group_size} r{q.residual_length} K:{q.key_axis} V:{q.value_axis}{extra}, {storage}"
 
 

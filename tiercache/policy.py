@@ -12,6 +12,9 @@ Choices where DESIGN.md is silent
   ``layer_type``) with an ``offload`` section: they are small, and offloading them is slower.
 - ``offload.path`` defaults to the system temp directory for ``device: disk``.
 - ``bits: 8`` with ``format: fp8`` selects e4m3 floating point (native backend only).
+- ``key_gain`` (default 1.0: off) multiplies the keys attention reads of the packed tokens (not
+  the sinks, not the residual): a quantized context loses attention against the exact tokens,
+  which a gain above 1 gives back (README, "A gain on the quantized keys"). A number in (0, 4].
 - ``cross_attention`` (encoder-decoder models, ``tiercache.cross_attention``): its own ``quantize``
   / ``offload``, not merged with the top-level ones; omitted means full precision on the device.
 """
@@ -63,6 +66,9 @@ def parse_size(value: Any, path: str) -> Size:
     return Size(number)
 
 
+MAX_KEY_GAIN = 4.0  # QuantizePolicy.key_gain: beyond a few tenths above 1 attention is only sharpened
+
+
 @dataclass(frozen=True)
 class QuantizePolicy:
     backend: Literal["native", "quanto", "hqq"] = "native"
@@ -79,6 +85,7 @@ class QuantizePolicy:
     value_bits: int | None = None  # the values' bits when not ``bits``
     meta_bits: int | None = None  # each group's scale and offset: None in the model dtype; 8 as one byte each
     # on grids of the block (processors/metacodes.py): 0.27 bits per element for groups of 64 instead of 0.5 in bf16
+    key_gain: float = 1.0  # attention reads the packed keys times this (1.0: as given); no bytes, no cost per step
 
     def bits_of(self, which: str) -> int:
         """Bits of ``"keys"`` or ``"values"``: ``key_bits`` / ``value_bits``, else ``bits``."""
@@ -315,6 +322,10 @@ def _build(tp, value, path: str):
         if isinstance(value, bool) or not isinstance(value, int):
             raise PolicyError(f"{path}: expected an integer, got {value!r}")
         return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PolicyError(f"{path}: expected a number, got {value!r}")
+        return float(value)
     if tp is str:
         if not isinstance(value, str):
             raise PolicyError(f"{path}: expected a string, got {value!r}")
@@ -378,6 +389,10 @@ def _check_quantize(q: QuantizePolicy, where: str) -> None:
         raise PolicyError(f"{where}.meta_bits: allowed values are null (scales and offsets in the model dtype) and 8 "
                           f"(one byte each, backend native, format int); got meta_bits {q.meta_bits!r} with backend "
                           f"{q.backend!r}, format {q.format!r}")
+    if not (isinstance(q.key_gain, (int, float)) and not isinstance(q.key_gain, bool)
+            and 0 < q.key_gain <= MAX_KEY_GAIN):  # NaN fails both comparisons
+        raise PolicyError(f"{where}.key_gain: allowed values are numbers in (0, {MAX_KEY_GAIN:g}] (1.0: the keys as "
+                          f"given); got {q.key_gain!r}")
     for name, which in (("key_bits", "keys"), ("value_bits", "values")):
         if getattr(q, name) is not None:  # the tensor's own bits, checked as the backend's bits
             validate(dataclasses.replace(q, bits=q.bits_of(which)), f"{where}.{name}")

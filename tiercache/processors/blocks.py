@@ -6,13 +6,21 @@ Interface
         row_bytes(head_dim, which, dtype_bytes)                         the row layout's size
         backends               {"keys": backend, "values": backend} (their bits may differ: ``key_bits``)
         equal when the specs are (the same block format)
-    BlockCodec(backend, group_size, head_dim, axis, dtype)
+    BlockCodec(backend, group_size, head_dim, axis, dtype, meta_bits=None, gain=1.0)
     encode(x) -> rows          x ``[B, H, N*G, D]`` float -> rows ``[B, H, N, row_bytes]`` uint8
     decode(rows, out, remember=True)
                                rows ``[B, H, N, row_bytes]`` -> writes ``out`` ``[B, H, N*G, D]``
                                (a view into a larger tensor is fine: no temporary of the output;
                                ``remember=False`` keeps no views of ``rows`` for the next call)
+    decode_plain(rows, out, remember=True)
+                               the same without the gain: the tokens as given, for a crop's
+                               residual and an export (equal to ``decode`` when ``gain`` is 1)
     roundtrip(x)               ``decode(encode(x))``: what attention sees for quantized tokens
+
+Gain (``key_gain`` of the policy, keys only): ``encode`` packs ``gain * x``. Every backend's
+ranges scale with the data (min/max, the clipping search, fp8's absmax), so the codes are those
+of ``x`` and the scale and offset carry the gain: ``decode`` returns the gained tokens at no
+cost per step, and ``decode_plain`` divides it out again on the rare paths that hand tokens back.
     row_bytes / groups         bytes of one block row, quantization groups per block
 
 Row layout: ``[codes | pad | scale | offset]`` (``codec.row_layout``, which the planner counts by
@@ -120,7 +128,8 @@ class Codec:
     def for_kv(self, key_dim: int, value_dim: int, dtype: torch.dtype) -> tuple["BlockCodec", "BlockCodec"]:
         """Fresh codecs for the keys and the values (each remembers the views it last decoded)."""
         return tuple(BlockCodec(backends.for_tensor(self.backends[which], which), self.group_size, dim,
-                                self.spec.axis_of(which), dtype, self.spec.meta_bits)
+                                self.spec.axis_of(which), dtype, self.spec.meta_bits,
+                                self.spec.key_gain if which == "keys" else 1.0)
                      for which, dim in (("keys", key_dim), ("values", value_dim)))
 
     def row_bytes(self, head_dim: int, which: str, dtype_bytes: int) -> int:
@@ -138,9 +147,10 @@ class Codec:
 
 class BlockCodec:
     def __init__(self, backend, group_size: int, head_dim: int, axis: str, dtype: torch.dtype,
-                 meta_bits: int | None = None):
+                 meta_bits: int | None = None, gain: float = 1.0):
         if not dtype.is_floating_point:
             raise CacheError(f"quantize: keys and values must be floating point, got {dtype}")
+        self.gain = float(gain)  # what attention sees of a packed token: gain * the token (module docstring)
         self.backend, self.g, self.d, self.axis, self.dtype = backend, group_size, head_dim, axis, dtype
         if axis == "channel":
             self.shape, self.dim, self.meta_shape = (group_size, head_dim), -2, (1, head_dim)
@@ -157,6 +167,8 @@ class BlockCodec:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         b, h, t, _ = x.shape
         n = t // self.g
+        if self.gain != 1.0:
+            x = x * self.gain  # one block run, packed once: the scale and offset carry the gain
         blocks = x.reshape(b, h, n, *self.shape)  # [B, H, N, G, D] (token axis: [.., G, n, g])
         rows = torch.zeros((b, h, n, self.row_bytes), dtype=torch.uint8, device=x.device)  # [B, H, N, row]
         if self.meta8:
@@ -248,6 +260,12 @@ class BlockCodec:
         shape = (*view.shape[:3], t, *view.shape[4:])
         for i in range(per):  # a strided output: one small uint8 pass, then a casting copy, per plane
             view.narrow(3, i * t, t).copy_(plane(codes, bits, i, top=i == per - 1).view(shape))
+
+    def decode_plain(self, rows: torch.Tensor, out: torch.Tensor, remember: bool = True) -> None:
+        """``decode`` with the gain divided out: the tokens as they were given, quantized."""
+        self.decode(rows, out, remember)
+        if self.gain != 1.0:
+            out.div_(self.gain)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=self.dtype, device=x.device)

@@ -3,7 +3,7 @@
 Interface
     CodecSpec.of(q: QuantizePolicy) -> CodecSpec
         frozen, hashable: how a block of ``group_size`` tokens is encoded (backend, bits, format,
-        clip, meta_bits) and laid out (key / value axis). Two layers whose ``CodecSpec`` are equal hold
+        clip, meta_bits, key_gain) and laid out (key / value axis). Two layers whose ``CodecSpec`` are equal hold
         interchangeable packed rows (``Quantize.can_adopt``); the residual rule and the attention
         sinks are not part of it. Canonical in the bits: ``bits`` are the values' bits and
         ``key_bits`` the keys' where they differ (else None), however the policy said it.
@@ -80,18 +80,19 @@ class CodecSpec:
     clip: str
     key_bits: int | None = None  # the keys' bits where they differ from ``bits`` (the values')
     meta_bits: int | None = None  # None: scales and offsets in the model dtype; 8: bytes on the row's grids
+    key_gain: float = 1.0  # what attention reads of a packed key: key_gain * the key (blocks.BlockCodec)
 
     @classmethod
     def of(cls, q: QuantizePolicy) -> "CodecSpec":
         kb, vb = q.bits_of("keys"), q.bits_of("values")
         return cls(q.backend, vb, q.group_size, q.key_axis, q.value_axis, q.format, q.clip, None if kb == vb else kb,
-                   q.meta_bits)
+                   q.meta_bits, float(q.key_gain))
 
     def policy(self, residual_length: int, sink_tokens: int = 0) -> QuantizePolicy:
         return QuantizePolicy(backend=self.backend, bits=self.bits, group_size=self.group_size,
                               residual_length=residual_length, key_axis=self.key_axis, value_axis=self.value_axis,
                               format=self.format, sink_tokens=sink_tokens, clip=self.clip, key_bits=self.key_bits,
-                              meta_bits=self.meta_bits)
+                              meta_bits=self.meta_bits, key_gain=self.key_gain)
 
     def bits_of(self, which: str) -> int:
         return self.key_bits if which == "keys" and self.key_bits is not None else self.bits

@@ -61,7 +61,8 @@ Storage kinds
 
 Cache ops act on blocks and residual alike. ``crop`` reaching into the blocks drops whole
 blocks from the store and moves the kept head of the cut block back into the residual as its
-dequantized values (exactly what attention saw); those tokens are quantized once more when
+dequantized values (what attention saw, less the ``key_gain``, which only packed tokens carry:
+``BlockCodec.decode_plain``); those tokens are quantized once more when
 they leave the residual again (the only case a value is quantized twice). After a crop the
 residual may hold fewer than ``r(n)`` tokens; the flush rule above applies from there. A crop
 of ``seq_length()`` tokens or more empties the layer (transformers' ``DynamicLayer``), even a

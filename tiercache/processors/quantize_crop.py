@@ -86,7 +86,7 @@ def _crop_after_sinks(q, n: int) -> None:
         restored = [torch.empty((*b.shape[:2], q.g, d), dtype=q.spec.dtype, device=b.device)
                     for b, d in zip(blocks, (q.spec.key_dim, q.spec.value_dim))]  # [B, H, G, D]
         for codec, b, out in zip(q.codecs, blocks, restored):
-            codec.decode(b[:, :, at : at + 1], out)
+            codec.decode_plain(b[:, :, at : at + 1], out)  # back to the residual as given
     q.store.crop(drop)  # raises (nothing changed yet) when the store cannot
     q.residual.clear()
     if restored is not None:

@@ -78,7 +78,8 @@ def load_state_dict(q, sd: dict) -> None:
 @torch.no_grad()
 def export(q, parts: int = 8):
     """Every held token, oldest first: the sinks (exact), the blocks decoded a few runs at a time
-    (the decoder's temporaries stay a fraction of the layer), then the residual: fresh
+    (the decoder's temporaries stay a fraction of the layer; without ``key_gain``: the tokens as
+    given, quantized, for a layer of another policy to take), then the residual: fresh
     ``[B, H, S, D]`` tensors on the compute device."""
     q.finite.settle()
     if q.spec is None:
@@ -95,7 +96,7 @@ def export(q, parts: int = 8):
             out.narrow(2, 0, sinks).copy_(q.sinks.view()[i])
         for at in range(0, n, step):
             m = min(step, n - at)
-            q.codecs[i].decode(rows[i].narrow(2, at, m).to(s.device), out.narrow(2, sinks + at * g, m * g))
+            q.codecs[i].decode_plain(rows[i].narrow(2, at, m).to(s.device), out.narrow(2, sinks + at * g, m * g))
         if held:
             out.narrow(2, sinks + n * g, held).copy_(q.residual.view()[i])
     return outs[0], outs[1], q.seen
