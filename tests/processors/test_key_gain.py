@@ -9,6 +9,7 @@ save / load keeps the gain; the planner counts the same bytes; bad gains are ref
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -24,6 +25,7 @@ from tests.processors.quantized import quantized
 
 B, H, D = 2, 3, 16
 G, R = 16, 32
+GAIN = 2.0  # a power of two: gained codes and metadata are exact
 FORMS = {  # the native backend's range rules: min/max, the clipping search, byte metadata, fp8's absmax
     "int2": dict(bits=2),
     "int4-clip": dict(bits=4, clip="mse"),
@@ -38,9 +40,9 @@ def kv(t, seed):
     return torch.randn(B, H, t, D, generator=g), torch.randn(B, H, t, D, generator=g)  # [B, H, t, D]
 
 
-def pair(form, gain=2.0):
+def pair(form):
     q = QuantizePolicy(group_size=G, residual_length=R, **FORMS[form])
-    return (quantized(QuantizePolicy(**{**q.__dict__, "key_gain": gain}), Shared()), quantized(q, Shared()))
+    return quantized(dataclasses.replace(q, key_gain=GAIN), Shared()), quantized(q, Shared())
 
 
 def packed(layer) -> slice:
@@ -48,12 +50,12 @@ def packed(layer) -> slice:
     return slice(len(layer.sinks), layer.seq_length() - len(layer.residual))
 
 
-def check(gained, plain, gain=2.0):
+def check(gained, plain):
     (kg, vg), (kp, vp) = gained.kv(), plain.kv()  # [B, H, S, D]
     p = packed(gained)
     assert p == packed(plain) and p.stop > p.start, "the case must pack something"
     assert torch.equal(vg, vp)
-    assert torch.equal(kg[:, :, p], gain * kp[:, :, p])
+    assert torch.equal(kg[:, :, p], GAIN * kp[:, :, p])
     assert torch.equal(kg[:, :, : p.start], kp[:, :, : p.start]) and torch.equal(kg[:, :, p.stop :], kp[:, :, p.stop :])
 
 
@@ -66,10 +68,10 @@ def test_packed_keys_are_gained_and_nothing_else_changes(form, steps):
         (og, ovg), (op, ovp) = gained.update(k, v), plain.update(k, v)
         assert torch.equal(ovg, ovp)
         for s in range(og.shape[2]):  # each token as given or gained, never anything else
-            assert torch.equal(og[:, :, s], op[:, :, s]) or torch.equal(og[:, :, s], 2 * op[:, :, s])
+            assert torch.equal(og[:, :, s], op[:, :, s]) or torch.equal(og[:, :, s], GAIN * op[:, :, s])
     check(gained, plain)
     assert gained.nbytes() == plain.nbytes()
-    assert gained.config.key_gain == 2.0 and plain.config.key_gain == 1.0
+    assert gained.config.key_gain == GAIN and plain.config.key_gain == 1.0
 
 
 @pytest.mark.parametrize("form", ["int2", "int2-meta8", "K4V2-sinks"])

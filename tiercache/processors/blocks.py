@@ -16,12 +16,13 @@ Interface
                                the same without the gain: the tokens as given, for a crop's
                                residual and an export (equal to ``decode`` when ``gain`` is 1)
     roundtrip(x)               ``decode(encode(x))``: what attention sees for quantized tokens
-
-Gain (``key_gain`` of the policy, keys only): ``encode`` packs ``gain * x``. Every backend's
-ranges scale with the data (min/max, the clipping search, fp8's absmax), so the codes are those
-of ``x`` and the scale and offset carry the gain: ``decode`` returns the gained tokens at no
-cost per step, and ``decode_plain`` divides it out again on the rare paths that hand tokens back.
     row_bytes / groups         bytes of one block row, quantization groups per block
+
+Gain (``key_gain`` of the policy, keys only): ``encode`` packs ``gain * x``. The native
+backend's ranges scale with the data (min/max, the clipping search, fp8's absmax), so its codes
+are those of ``x`` and the scale and offset carry the gain (another backend quantizes ``gain *
+x`` as its input): ``decode`` returns the gained tokens at no cost per step, and
+``decode_plain`` divides the gain out again on the rare paths that hand tokens back.
 
 Row layout: ``[codes | pad | scale | offset]`` (``codec.row_layout``, which the planner counts by
 too; ``meta_bits: 8``: ``[codes | pad | ranges | offset bytes | scale bytes]``, ``metacodes.py``). Codes are packed ``8 // bits`` per byte, planar
