@@ -4,7 +4,8 @@ import pytest
 
 from tiercache import PolicyError, Policy, load_policy
 from tiercache.model_spec import PRESETS, ModelSpec
-from tiercache.policy import UNSET, parse_size
+from tiercache.policy import UNSET
+from tiercache.policy_fields import parse_size
 
 GEMMA = PRESETS["gemma-2-9b"]
 

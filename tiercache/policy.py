@@ -1,6 +1,6 @@
 """Policies: frozen dataclasses; YAML and dicts are only their serialisation.
 
-One generic loader (``_build``) walks the dataclass fields and their type hints, so no field is
+One generic loader (``policy_fields.build``) walks the dataclass fields and their type hints, so no field is
 restated anywhere: every bad input raises ``PolicyError`` with the field path, the value and
 what is allowed. ``Policy.resolve(model)`` applies overrides and returns one ``LayerPolicy`` per
 model layer, checking the policy against that model (indices in range, known layer types).
@@ -22,48 +22,12 @@ Choices where DESIGN.md is silent
 from __future__ import annotations
 
 import dataclasses
-import re
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from tiercache.errors import PolicyError
-
-
-class _Unset:
-    """Marks an override field that was not given (distinct from ``null``)."""
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Any = _Unset()
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-class Size(int):
-    """A byte count; accepts ints and strings like ``20GiB``, ``512MB``, ``1.5 GiB``."""
-
-
-def parse_size(value: Any, path: str) -> Size:
-    if isinstance(value, bool):
-        raise PolicyError(f"{path}: expected a size such as 20GiB or a byte count, got {value!r}")
-    if isinstance(value, int):
-        number = value
-    elif isinstance(value, str) and (m := re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)):
-        unit = m.group(2).lower()
-        if unit not in _UNITS:
-            raise PolicyError(f"{path}: unknown unit {m.group(2)!r} in {value!r}; allowed: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-        number = int(float(m.group(1)) * _UNITS[unit])
-    else:
-        raise PolicyError(f"{path}: expected a size such as 20GiB or a byte count, got {value!r}")
-    if number < 0:
-        raise PolicyError(f"{path}: a size must be >= 0, got {value!r}")
-    return Size(number)
+from tiercache.policy_fields import UNSET, Size, build, to_plain
 
 
 MAX_KEY_GAIN = 4.0  # QuantizePolicy.key_gain: beyond a few tenths above 1 attention is only sharpened
@@ -162,12 +126,12 @@ class Policy:
         if not isinstance(data, dict):
             raise PolicyError(f"policy: expected a mapping of fields, got {type(data).__name__}")
         data = _merge_override_quantize(data)
-        policy = _build(cls, data, "policy")
+        policy = build(cls, data, "policy")
         policy._check()
         return policy
 
     def to_dict(self) -> dict:
-        return _to_plain(self)
+        return to_plain(self)
 
     def _check(self) -> None:
         if self.max_length is not None and self.max_length < 1:
@@ -183,7 +147,7 @@ class Policy:
         for i, o in enumerate(self.overrides):
             where = f"policy.overrides[{i}]"
             if (o.layers is None) == (o.layer_type is None):
-                raise PolicyError(f"{where}: give exactly one of 'layers' (indices) or 'layer_type', got {_to_plain(o)}")
+                raise PolicyError(f"{where}: give exactly one of 'layers' (indices) or 'layer_type', got {to_plain(o)}")
             if o.layers is not None and not o.layers:
                 raise PolicyError(f"{where}.layers: an empty list names no layer; give indices such as [0, -1]")
             if o.layer_type is not None and o.layer_type not in KNOWN_LAYER_TYPES:
@@ -267,81 +231,6 @@ def _unique_key_loader():
 
     return Loader
 
-
-
-# -- the generic loader --------------------------------------------------------------------------
-
-def _describe(tp) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
-    if origin is tuple:
-        return f"a list of {_describe(args[0])}"
-    if dataclasses.is_dataclass(tp):
-        return f"a mapping ({', '.join(f.name for f in dataclasses.fields(tp))})"
-    if tp is Size:
-        return "a size such as 20GiB"
-    return {int: "an integer", str: "a string", bool: "true or false", float: "a number"}.get(tp, str(tp))
-
-
-def _build(tp, value, path: str):
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _build(inner[0], value, path)
-    if origin is Literal:
-        if value not in args or isinstance(value, bool) != any(isinstance(a, bool) for a in args):
-            raise PolicyError(f"{path}: {value!r} is not allowed; allowed: {_describe(tp)}")
-        return value
-    if origin is tuple:
-        if value is None:  # an empty YAML section (`overrides:`): no items
-            return ()
-        if not isinstance(value, (list, tuple)):
-            raise PolicyError(f"{path}: expected {_describe(tp)}, got {value!r}")
-        return tuple(_build(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise PolicyError(f"{path}: expected {_describe(tp)}, got {value!r}")
-        hints = typing.get_type_hints(tp)
-        names = [f.name for f in dataclasses.fields(tp)]
-        for key in value:
-            if key not in names:
-                raise PolicyError(f"{path}.{key}: unknown field; allowed: {', '.join(names)}")
-        return tp(**{k: _build(hints[k], v, f"{path}.{k}") for k, v in value.items()})
-    if tp is Size:
-        return parse_size(value, path)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise PolicyError(f"{path}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise PolicyError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PolicyError(f"{path}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise PolicyError(f"{path}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"policy loader: unsupported field type {tp!r} at {path}")
-
-
-def _to_plain(obj):
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if getattr(obj, f.name) is not UNSET}
-    if isinstance(obj, tuple):
-        return [_to_plain(v) for v in obj]
-    if isinstance(obj, Size):
-        return int(obj)
-    return obj
 
 
 def _merge_override_quantize(data: dict) -> dict:

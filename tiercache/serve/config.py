@@ -26,7 +26,8 @@ import yaml
 
 from tiercache.errors import PolicyError
 from tiercache.footprint import TIERS
-from tiercache.policy import Policy, load_policy, parse_size
+from tiercache.policy import Policy, load_policy
+from tiercache.policy_fields import parse_size
 
 DEFAULT = {"budget": {"device": "1GiB", "host": "4GiB", "disk": None},
            "ladder": [{"name": "host", "offload": {"device": "cpu"}}]}
