@@ -14,6 +14,13 @@ short keeps what it measured; ``--resume`` goes on from it). Depths are asked sp
 (0.1, 0.9, 0.5, ...), so a run cut short still covers the whole range; a second process on the
 same length with ``--reverse`` (another ``--out``) starts from the other end, and ``--merge``
 counts a sample both asked once. Setups: ``tiercache.bench.retrievalbench.SETUPS``.
+
+``--needle-attention`` asks no setup: it measures, at full precision on the same samples, each
+layer's and head's attention on the needle from the question's last token (``tiercache.bench.needle``),
+and writes ``needle_attention.md`` / ``.json``: where the model reads the key, the layers a
+per-layer ``key_gain`` is for (README, "A gain where the retrieval heads read").
+
+    python bench/bench_retrieval.py --needle-attention --contexts 1024,2048 --samples 5 --seed 0 --out out/needle
 """
 
 from __future__ import annotations
@@ -64,6 +71,24 @@ def _merge(paths, out: Path) -> int:
     return 0
 
 
+def _needle_attention(model, tok, args, meta, out: Path, start: float) -> int:
+    from tiercache.bench import needle
+
+    samples = retrieval.samples(tok, args.contexts, retrieval.spread(args.samples), seed=args.seed, fmt=args.format,
+                                chat=args.chat)
+    att = needle.mean_attention(model, tok, samples, args.format)  # [L, Hq]
+    meta["seconds"] = round(time.perf_counter() - start, 1)
+    text = (f"Attention on the needle from the question's last token, full precision, mean over {len(samples)} samples "
+            f"(contexts {', '.join(map(str, args.contexts))}, seed {args.seed}, format {args.format!r}):\n\n"
+            + needle.table(att, args.threshold))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "needle_attention.md").write_text(text + "\n")
+    (out / "needle_attention.json").write_text(json.dumps({"meta": meta, "attention": att.tolist()}, indent=1))
+    print(text)
+    print(f"\n{args.model}, {meta['seconds']} s; table {out / 'needle_attention.md'}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help=f"a built-in name ({', '.join(builtin.NAMES)}) or a path")
@@ -78,6 +103,10 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="keep the samples already in --out's retrieval.json")
     p.add_argument("--reverse", action="store_true", help="ask the depths in the reverse order (a second process)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge the retrieval.json of earlier runs, run nothing")
+    p.add_argument("--needle-attention", action="store_true", help="no setups: each layer's and head's attention on "
+                   "the needle at full precision, averaged over the samples")
+    p.add_argument("--threshold", type=float, default=0.4, help="--needle-attention: mark the layers whose strongest "
+                   "head puts at least this share of its attention on the needle")
     args = p.parse_args(argv)
     if args.merge:
         return _merge(args.merge, Path(args.out))
@@ -108,6 +137,8 @@ def main(argv=None) -> int:
         print(f"resuming: {len(done)} samples from {out / 'retrieval.json'}" if same else
               f"not resuming: {out / 'retrieval.json'} was another model, format or seed", flush=True)
     start = time.perf_counter()
+    if args.needle_attention:
+        return _needle_attention(model, tok, args, meta, out, start)
     records = retrievalbench.run(model, tok, names, args.contexts, args.samples, args.format, args.chat, args.seed,
                                  log=lambda m: print(m, flush=True),
                                  on_sample=lambda recs: _write(recs, names, meta, out), done=done,

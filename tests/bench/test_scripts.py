@@ -58,6 +58,10 @@ SCRIPTS = [
     pytest.param("bench_retrieval.py", ["--model", "tiny", "--contexts", "400", "--samples", "2", "--format", "kv",
                                         "--setups", "DynamicCache,int2-sinks", "--out", "out"],
                  ["| DynamicCache | ", "| int2-sinks | ", "Δ vs full precision", "[2/2] "], id="retrieval"),
+    pytest.param("bench_retrieval.py", ["--model", "tiny", "--contexts", "400", "--samples", "2", "--needle-attention",
+                                        "--out", "out"],
+                 ["mean over 2 samples", "| layer | strongest head |", "\n| 3 | ", "table out/needle_attention.md"],
+                 id="retrieval-needle-attention"),
 ]
 
 

@@ -127,6 +127,19 @@ def test_retier_and_save_load_keep_the_keys_straight(tmp_path):
     assert all(torch.equal(layer.keys, k) for layer, k in zip(gained.layers, ref))
 
 
+def test_a_gain_per_layer_through_an_override_gains_that_layer_only():
+    gained = fed({"name": "g", "quantize": INT2, "overrides": [{"layers": [1], "quantize": {"key_gain": GAIN}}]})
+    plain = fed({"name": "p", "quantize": INT2})
+    assert [layer.config.key_gain for layer in gained.layers] == [1.0, GAIN]
+    assert torch.equal(gained.layers[0].keys, plain.layers[0].keys)
+    kg, kp = gained.layers[1].keys, plain.layers[1].keys  # [1, 2, 130, 16]
+    differ = [s for s in range(kg.shape[2]) if not torch.equal(kg[:, :, s], kp[:, :, s])]
+    p = slice(4, 4 + len(differ))  # whole blocks after the sinks, before the residual
+    assert differ == list(range(p.start, p.stop)) and len(differ) % G == 0 and 0 < p.stop < 130
+    assert torch.equal(kg[:, :, p], GAIN * kp[:, :, p])
+    assert all(torch.equal(a.values, b.values) for a, b in zip(gained.layers, plain.layers))
+
+
 def test_the_planner_counts_the_same_bytes_and_names_the_gain():
     a = plan({"name": "g", "quantize": {**INT2, "key_gain": 1.5}}, CFG, context_length=4096)
     b = plan({"name": "p", "quantize": INT2}, CFG, context_length=4096)
