@@ -82,6 +82,16 @@ def test_overrides_apply_in_order_and_sliding_layers_stay_resident():
     assert Policy.from_dict({"overrides": [{"layers": [-1], "quantize": None}]}).overrides[0].offload is UNSET
 
 
+def test_a_later_override_replaces_an_earlier_ones_quantize_not_merges_into_it():
+    policy = Policy.from_dict({"quantize": {"bits": 4, "group_size": 32}, "overrides": [
+        {"layers": [0, 1], "quantize": {"group_size": 16}},
+        {"layers": [1], "quantize": {"bits": 2}},
+    ]})
+    first, second = policy.resolve(GEMMA)[:2]
+    assert (first.quantize.bits, first.quantize.group_size) == (4, 16)
+    assert (second.quantize.bits, second.quantize.group_size) == (2, 32)  # over the top level only (README)
+
+
 def test_sliding_layers_can_be_offloaded_by_override():
     policy = Policy.from_dict({"offload": {}, "overrides": [{"layer_type": "sliding_attention", "offload": {"prefetch": 2}}]})
     layers = policy.resolve(GEMMA)
