@@ -43,6 +43,7 @@ CACHES = {
     "int4 +sinks meta8": {**K, "bits": 4, "sink_tokens": 4, "meta_bits": 8},  # scales and offsets as bytes
     "int4-sinks-k8": "smollm2-135m/int4-sinks-k8.yaml",  # meta8, int8 keys on 3 layers: int4-sinks' bytes
     "int2-keys-joint7": "smollm2-135m/int2-keys-joint7.yaml",  # meta8, 7 int4 tensors: int2-sinks' bytes
+    "int2-keys-joint7-late-gain": "smollm2-135m/int2-keys-joint7-late-gain.yaml",  # the same, key_gain 1.2 on 6 layers
 }
 
 
