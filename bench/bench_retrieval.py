@@ -76,7 +76,7 @@ def _needle_attention(model, tok, args, meta, out: Path, start: float) -> int:
 
     samples = retrieval.samples(tok, args.contexts, retrieval.spread(args.samples), seed=args.seed, fmt=args.format,
                                 chat=args.chat)
-    att = needle.mean_attention(model, tok, samples, args.format)  # [L, Hq]
+    att = needle.mean_attention(model, samples)  # [L, Hq]
     meta["seconds"] = round(time.perf_counter() - start, 1)
     text = (f"Attention on the needle from the question's last token, full precision, mean over {len(samples)} samples "
             f"(contexts {', '.join(map(str, args.contexts))}, seed {args.seed}, format {args.format!r}):\n\n"

@@ -12,7 +12,7 @@ from tiercache.bench import needle, retrieval
 from tiercache.bench.tiny import ByteTokenizer, load_model
 
 
-def reference(model, sample, where: slice) -> torch.Tensor:
+def reference(model, sample) -> torch.Tensor:
     ids = torch.cat([sample.context, sample.question])[None]  # [1, T + Q]
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
@@ -21,7 +21,7 @@ def reference(model, sample, where: slice) -> torch.Tensor:
             weights = model(input_ids=ids, use_cache=False, output_attentions=True).attentions  # L x [1, Hq, S, S]
     finally:
         model.set_attn_implementation(before)
-    return torch.stack([w[0, :, -1, where].sum(-1) for w in weights])  # [L, Hq]
+    return torch.stack([w[0, :, -1, sample.needle].sum(-1) for w in weights])  # [L, Hq]
 
 
 def sliding_model():
@@ -40,25 +40,20 @@ def test_attention_on_the_needle_is_the_eager_weights_last_row(which, fmt):
     samples = retrieval.samples(tok, [400], [0.2, 0.8], seed=1, fmt=fmt)
     got = []
     for s in samples:
-        where = needle.span(s, tok, fmt)
-        assert tok.decode(s.context[where].tolist()) == retrieval.FORMATS[fmt].needle.format(key=s.key, name=s.name)
-        att = needle.attention(model, s, where)  # [L, Hq]
+        att = needle.attention(model, s)  # [L, Hq]
         assert att.shape == (model.config.num_hidden_layers, model.config.num_attention_heads)
-        torch.testing.assert_close(att, reference(model, s, where), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(att, reference(model, s), rtol=1e-4, atol=1e-5)
         assert model.config._attn_implementation == before  # restored
         got.append(att)
-    torch.testing.assert_close(needle.mean_attention(model, tok, samples, fmt), torch.stack(got).mean(0))
+    torch.testing.assert_close(needle.mean_attention(model, samples), torch.stack(got).mean(0))
     if which == "sliding":  # the window hides the needle from the last token: no weight, as the eager mask says
-        far = [s for s in samples if s.length - needle.span(s, tok, fmt).stop > 96]
-        assert far and all(float(needle.attention(model, s, needle.span(s, tok, fmt)).max()) == 0 for s in far)
+        far = [s for s in samples if s.length - s.needle.stop > 96]
+        assert far and all(float(needle.attention(model, s).max()) == 0 for s in far)
 
 
-def test_a_needle_not_in_the_context_is_refused():
-    tok = ByteTokenizer()
-    s = retrieval.samples(tok, [400], [0.5])[0]
-    s.key = "00000"
-    with pytest.raises(ValueError, match="not in the sample's context"):
-        needle.span(s, tok)
+def test_no_samples_is_refused():
+    with pytest.raises(ValueError, match="at least one sample"):
+        needle.mean_attention(load_model("tiny")[0], [])
 
 
 def test_table_marks_the_layers_whose_strongest_head_reads_the_needle():

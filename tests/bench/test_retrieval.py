@@ -46,6 +46,7 @@ def test_needle_sits_at_the_asked_depth_and_only_the_key_has_digits(fmt):
         text = tok.decode(s.context)
         needle = retrieval.FORMATS[fmt].needle.format(key=s.key, name=s.name)
         assert text.count(needle) == 1 and s.target == [900, 1500][i // 5]
+        assert tok.decode(s.context[s.needle]) == needle
         assert s.length == len(s.context) + len(s.question) <= s.target
         assert re.findall(r"\d+", text) == [s.key, s.key]  # the filler and instruction hold no digits
         before, total = text[: text.index(needle)].count(retrieval.FILLER), text.count(retrieval.FILLER)

@@ -70,6 +70,7 @@ class Sample:
     key: str
     length: int  # tokens of context + question
     depth: float  # where the needle sits in the filler, 0 (start) .. 1 (end)
+    needle: slice  # the needle's token positions in ``context``
     name: str = ""  # the key-value format's key name
     target: int = 0  # the context length asked (``length`` is at most this)
 
@@ -115,8 +116,10 @@ def samples(tokenizer, contexts, depths, seed: int = 0, fmt: str = "passkey", ch
                                  f"{len(head) + len(needle) + len(question) + len(unit)} tokens)")
             units = room // len(unit)
             first = round(units * depth)
+            at = len(head) + len(unit) * first
             ids = head + unit * first + needle + unit * (units - first)
-            out.append(Sample(torch.tensor(ids), question, key, len(ids) + len(question), depth, name, length))
+            out.append(Sample(torch.tensor(ids), question, key, len(ids) + len(question), depth,
+                              slice(at, at + len(needle)), name, length))
     return out
 
 
