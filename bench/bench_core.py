@@ -26,11 +26,11 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from tiercache import TieredCache
-from tiercache.bench.tiny import load_model
+from tiercache.models.load import load_model
 
 
 def tiny_llama(device: str):
-    """The project's built-in tiny Llama (tiercache.bench.tiny: trained byte-level, 4 layers, 2 KV heads x 64)."""
+    """The project's built-in tiny Llama (tiercache.models.tiny: trained byte-level, 4 layers, 2 KV heads x 64)."""
     model, _ = load_model("tiny", device=device)
     return model
 

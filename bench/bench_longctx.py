@@ -6,7 +6,7 @@
 The model is a random-weight Llama with the shape of Llama-3-8B (32 layers, 32 heads, 8 KV heads
 of 128, hidden 4096, MLP 14336, vocab 128256) in bf16: the memory and speed of a cache do not
 depend on the weights' values. Per context and cache: the prompt (context - new tokens) is
-prefilled in chunks (``tiercache.prefill.prefill``, the same for every cache), then
+prefilled in chunks (``tiercache.cache.prefill.prefill``, the same for every cache), then
 ``model.generate`` decodes ``--new`` tokens greedily. Reported: prefill seconds, decode tokens/s,
 peak device memory (``torch.cuda.max_memory_allocated``) in prefill and in decode, whether both
 stayed under ``--cap-gb``, and for our policies the plan's allocated total
@@ -70,7 +70,7 @@ def make_cache(name: str, config):
 def run_one(model, name: str, context: int, new: int, chunk: int, device: str) -> dict:
     import torch
 
-    from tiercache.prefill import prefill
+    from tiercache.cache.prefill import prefill
 
     cuda = device == "cuda"
     ids = torch.randint(3, model.config.vocab_size, (1, context - new), device=device)  # [1, T]
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
 def _cells(row: dict, cap: float) -> list[str]:
     if "note" in row and "prefill_s" not in row:
         return [row["note"]] + [""] * 7
-    from tiercache.planner import human
+    from tiercache.planner.api import human
 
     gib = lambda n: "-" if n is None else human(n)  # noqa: E731
     peaks = [p for p in (row["peak_prefill"], row["peak_decode"]) if p is not None]

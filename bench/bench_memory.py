@@ -41,7 +41,7 @@ POLICIES = ["default", "int4-kivi", "offload-cpu", "tiered-int4-offload"]
 BASELINE = """
 import resource, sys, torch, transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-import tiercache.cli, tiercache.cache, tiercache.prefill, tiercache.planner, tiercache.bench.tiny
+import tiercache.cli, tiercache.cache.tiered, tiercache.cache.prefill, tiercache.planner.api, tiercache.models.tiny
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 

@@ -3,7 +3,7 @@
     python bench/bench_quantize.py                      # 3k-token prompt, 512 new tokens, 1 thread
     python bench/bench_quantize.py --prompt 512 --new 64 --json out.json
 
-The model is the project's trained byte-level tiny Llama (``tiercache.bench.tiny``: 4 layers,
+The model is the project's trained byte-level tiny Llama (``tiercache.models.tiny``: 4 layers,
 2 KV heads x 64, fp32), the same for every cache; the prompt is held-out text. Every cache
 decodes the *same* tokens (the full-precision run's greedy choices) so logits and attention
 outputs line up step by step; the caches decode in lockstep (one step each in turn, the order
@@ -32,7 +32,8 @@ import torch
 from transformers import DynamicCache, QuantizedCache
 
 from tiercache import TieredCache
-from tiercache.bench.tiny import eval_ids, load_model
+from tiercache.models.tiny import eval_ids
+from tiercache.models.load import load_model
 
 FP, THEIRS, OURS = "full precision (DynamicCache)", "transformers QuantizedCache (quanto)", "tiercache Quantize (native, KIVI)"
 OURS_QUANTO, OURS_TOKEN = "tiercache Quantize (quanto, KIVI)", "tiercache Quantize (native, per-token keys)"
@@ -136,7 +137,7 @@ class Clock:
 def instrumented(clock: Clock, kind: str):
     from transformers.cache_utils import QuantoQuantizedLayer
 
-    from tiercache.processors.blocks import BlockCodec
+    from tiercache.quantize.blocks import BlockCodec
 
     if kind == "ours":
         patches = [(TieredCache, "update", "cache update"), (BlockCodec, "decode", "dequantize"),
@@ -192,9 +193,9 @@ def ours(bits, group, residual, key_axis="channel", backend="native"):
 
 def outlier_key_error(bits: int, group: int) -> dict:
     """Attention-output error with per-channel vs per-token keys on keys with outlier channels."""
-    from tiercache.policy import QuantizePolicy
-    from tiercache.processors import backends
-    from tiercache.processors.blocks import BlockCodec
+    from tiercache.policy.schema import QuantizePolicy
+    from tiercache.quantize import backends
+    from tiercache.quantize.blocks import BlockCodec
 
     g = torch.Generator().manual_seed(0)
     k = torch.randn(1, 2, 1024, 64, generator=g)

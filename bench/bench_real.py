@@ -21,7 +21,7 @@ policies and transformers' caches in the same run.
         --upgrade 3 --texts-per-kind 4 --tokens 256       # of its top 12, the 3 whose int8 keys buy most (step decode)
     python bench/bench_real.py --texts-per-kind 8 --tokens 256 --greedy-tokens 0 --contexts ""   # perplexity, 16 texts
 
-Per setup (``tiercache.bench.realbench``): KV bytes, decode tokens/s (teacher-forced steps),
+Per setup (``research.realbench``): KV bytes, decode tokens/s (teacher-forced steps),
 perplexity on held-out stdlib code and prose after a ``--prompt``-token prefill (``--tokens``
 scored per text, one token per step, so every prediction reads the cache as kept), top-1 and
 greedy agreement with full precision, and pass-key retrieval at several context lengths and
@@ -45,7 +45,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tiercache
 
-from tiercache.bench import builtin, multitext, real_report, realbench, retrieval, seeded, sensitivity, texts  # noqa: E402
+from tiercache.models import registry as builtin  # noqa: E402
+from research import multitext, real_report, realbench, retrieval, seeded, sensitivity, texts
 
 
 def _ints(text: str) -> list[int]:
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    from tiercache.bench.tiny import ModelLoadError, load_model
+    from tiercache.models.load import ModelLoadError, load_model
 
     try:
         model, tok = load_model(args.model, device=args.device)
@@ -232,7 +233,7 @@ def _write_search(model, args, name: str, policy: dict, record: str, found: dict
     import yaml
 
     from tiercache import Policy
-    from tiercache.model_spec import ModelSpec
+    from tiercache.models.spec import ModelSpec
 
     Policy.from_dict(policy).resolve(ModelSpec.from_config(model.config))  # a config that loads, for this model
     out = _config_out(args, f"{name}.yaml")

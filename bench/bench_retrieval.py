@@ -13,10 +13,10 @@ Writes ``retrieval.md`` and ``retrieval.json`` under ``--out`` after every sampl
 short keeps what it measured; ``--resume`` goes on from it). Depths are asked spread out
 (0.1, 0.9, 0.5, ...), so a run cut short still covers the whole range; a second process on the
 same length with ``--reverse`` (another ``--out``) starts from the other end, and ``--merge``
-counts a sample both asked once. Setups: ``tiercache.bench.retrievalbench.SETUPS``.
+counts a sample both asked once. Setups: ``research.retrievalbench.SETUPS``.
 
 ``--needle-attention`` asks no setup: it measures, at full precision on the same samples, each
-layer's and head's attention on the needle from the question's last token (``tiercache.bench.needle``),
+layer's and head's attention on the needle from the question's last token (``research.needle``),
 and writes ``needle_attention.md`` / ``.json``: where the model reads the key, the layers a
 per-layer ``key_gain`` is for (README, "A gain where the retrieval heads read").
 
@@ -36,7 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tiercache
 
-from tiercache.bench import builtin, retrieval, retrievalbench  # noqa: E402
+from tiercache.models import registry as builtin  # noqa: E402
+from research import retrieval, retrievalbench
 
 
 def _ints(text: str) -> list[int]:
@@ -72,7 +73,7 @@ def _merge(paths, out: Path) -> int:
 
 
 def _needle_attention(model, tok, args, meta, out: Path, start: float) -> int:
-    from tiercache.bench import needle
+    from research import needle
 
     samples = retrieval.samples(tok, args.contexts, retrieval.spread(args.samples), seed=args.seed, fmt=args.format,
                                 chat=args.chat)
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"bench_retrieval: error: {e}", file=sys.stderr)
         return 2
-    from tiercache.bench.tiny import ModelLoadError, load_model
+    from tiercache.models.load import ModelLoadError, load_model
 
     try:
         model, tok = load_model(args.model)

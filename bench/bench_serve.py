@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tiercache.bench.corpus import load_split
+from tiercache.models.corpus import load_split
 from tiercache.serve.launch import LiveServer
 
 TIERS = ("device", "host", "disk")

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_quantize import mib, rel, run  # noqa: E402
 
-from tiercache.bench import setups, texts  # noqa: E402
-from tiercache.bench.tiny import load_model  # noqa: E402
+from tiercache.bench import setups  # noqa: E402
+from research import texts
+from tiercache.models.load import load_model  # noqa: E402
 
 K = {"backend": "native", "group_size": 64, "residual_length": 128}
 CACHES = {

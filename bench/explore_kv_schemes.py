@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tiercache
 
-from tiercache.bench import multitext, seeded, sensitivity, texts  # noqa: E402
-from tiercache.bench.tiny import load_model  # noqa: E402
+from research import multitext, seeded, sensitivity, texts  # noqa: E402
+from tiercache.models.load import load_model  # noqa: E402
 
 G = 64
 SHRINKS = [1.0 - 0.05 * i for i in range(11)]  # the range search: min/max shrunk about its middle
@@ -117,7 +117,7 @@ def layer_bits(scheme: dict, n_layers: int) -> list[tuple[int, int]]:
     """(key bits, value bits) per layer: a policy file's, else the scheme's (default 2), V1 layers."""
     if "policy" in scheme:
         from tiercache import load_policy
-        from tiercache.model_spec import ModelSpec
+        from tiercache.models.spec import ModelSpec
 
         path = Path(__file__).resolve().parent.parent / scheme["policy"]
         spec = ModelSpec("probe", n_layers, ("full_attention",) * n_layers, 1, G)

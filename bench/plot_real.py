@@ -17,8 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tiercache.bench import realbench, retrievalbench, setups, summary  # noqa: E402
-from tiercache.planner import resolve_model  # noqa: E402
+from research import realbench, retrievalbench, summary  # noqa: E402
+from tiercache.bench import setups
+from tiercache.planner.api import resolve_model  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
-"""Train the tiny byte-level Llama shipped in ``tiercache/bench/data/`` (deterministic; a few minutes on one core).
+"""Train the tiny byte-level Llama shipped in ``tiercache/models/data/`` (deterministic; a few minutes on one core).
 
-    python bench/train_tiny.py [--out tiercache/bench/data] [--steps N]
+    python bench/train_tiny.py [--out tiercache/models/data] [--steps N]
 
 Prints the held-out perplexity and bits/byte (stdlib files held out by name; see
 ``tiercache/bench/corpus.py``). The recipe lives in ``tiercache/bench/train.py`` so that the
@@ -13,12 +13,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tiercache.bench.train import train  # noqa: E402
+from tiercache.models.train import train  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tiercache" / "bench" / "data"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tiercache" / "models" / "data"))
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
     args = p.parse_args(argv)
     meta = train(args.out, steps=args.steps)

@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/models.py builders
+sys.path.insert(0, os.path.dirname(__file__))  # tests/builders.py: model builders
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 import tiercache
-from tiercache.planner import plan
+from tiercache.planner.api import plan
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -62,7 +62,7 @@ MODEL_CONFIGS = sorted(p for p in CONFIGS.glob("*/*.yaml") if p.parent.name != "
 def test_model_configs_load_and_plan_for_their_model(path):
     """A measured config (``configs/<model>/``, written by ``bench_real.py --sensitivity`` /
     ``--upgrade-search``) loads, and plans for the model it was measured on, every layer quantized."""
-    from tiercache.planner import resolve_model
+    from tiercache.planner.api import resolve_model
 
     policy = tiercache.load_policy(path)
     assert policy.name == path.stem and policy.description

@@ -10,7 +10,7 @@ each layer's ``keys`` / ``values`` (None-ness, shape, contents), update outputs,
 ``is_dummy``, ``batch_size``, and which operations are refused.
 
 Where transformers 5.23 gives no answer or a wrong one, the documented tiercache behaviour is
-checked instead (see ``tiercache.cache``): a crop transformers refuses while ours is exact
+checked instead (see ``tiercache.cache.tiered``): a crop transformers refuses while ours is exact
 (``crop(0)`` past a window, emptying a sliding layer, a never-written sliding layer), and a crop
 where transformers silently keeps a wrong window (ours refuses) or a negative length (ours is
 empty). Static storage answers as transformers' ``StaticCache`` for mask sizes and maximum

@@ -9,8 +9,8 @@ from transformers import DynamicCache, LlamaConfig
 
 import tiercache
 from tiercache import CacheError, PolicyError, TieredCache
-from tiercache.model_spec import ModelSpec
-from tiercache.planner import resolve_model
+from tiercache.models.spec import ModelSpec
+from tiercache.planner.api import resolve_model
 
 CONFIG = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                      vocab_size=128, intermediate_size=128)
@@ -31,7 +31,7 @@ def kv(t: int, batch: int = 1, seed: int = 0):
 def test_quantized_cache_works_outside_no_grad():
     """Regression: K/V that require grad made the shared workspace part of a graph, and the next
     step's in-place dequantization raised RuntimeError (addcmul out= with autograd)."""
-    from tiercache.bench.tiny import tiny_random
+    from tiercache.models.tiny import tiny_random
 
     model = tiny_random()
     cache = TieredCache.from_policy("configs/int4-kivi.yaml", model.config)

@@ -8,7 +8,7 @@ transformers.
 """
 
 from tiercache.errors import CacheError, PolicyError
-from tiercache.policy import Policy, load_policy
+from tiercache.policy.schema import Policy, load_policy
 
 __version__ = "0.1.0"
 
@@ -18,15 +18,15 @@ __all__ = ["CacheError", "Policy", "PolicyError", "TieredCache", "TieredEncoderD
 
 def __getattr__(name):
     if name in ("TieredCache", "TieredEncoderDecoderCache"):
-        from tiercache import cache
+        from tiercache.cache import tiered as cache
 
         return getattr(cache, name)
     if name in ("plan", "Plan"):
-        from tiercache import planner
+        from tiercache.planner import api as planner
 
         return getattr(planner, name)
     if name == "generate":
-        from tiercache.prefill import generate
+        from tiercache.cache.prefill import generate
 
         return generate
     raise AttributeError(f"module 'tiercache' has no attribute {name!r}")

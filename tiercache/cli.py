@@ -5,12 +5,12 @@
                    [--encoder-length N]            (encoder-decoder models: cross-attention K/V counted)
     tiercache generate --model M --policy POLICY (--prompt TEXT | --prompt-file F) [--max-new-tokens N]
                        [--prefill-chunk N] [--chat | --no-chat]
-                                                    chunked prefill (tiercache.prefill), then decode
+                                                    chunked prefill (tiercache.cache.prefill), then decode
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
     tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
                                                     the OpenAI-compatible server (tiercache.serve)
 
-``--model`` takes a built-in name (``tiercache.bench.builtin``: ``tiny``, the trained tiny model,
+``--model`` takes a built-in name (``tiercache.models.registry``: ``tiny``, the trained tiny model,
 no network; ``tiny-random``; ``smollm2-135m``, SmolLM2-135M-Instruct from the ``real`` extra), a
 preset shape for ``plan`` / ``validate`` (``Llama-3-8B`` ...), a local path or a hub id.
 ``generate`` needs weights, so it takes no preset. It wraps the prompt in the model's chat
@@ -27,28 +27,9 @@ import argparse
 import sys
 import time
 
+from tiercache.argtypes import non_negative_int, positive_int
 from tiercache.errors import CacheError, PolicyError
-from tiercache.weights import FORMATS
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1."""
-    return _int_at_least(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: a whole number >= 0."""
-    return _int_at_least(text, 0)
-
-
-def _int_at_least(text: str, low: int) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {text!r}") from None
-    if n < low:
-        raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
-    return n
+from tiercache.planner.weights import FORMATS
 
 
 def _error(command: str, message: str) -> int:
@@ -57,12 +38,12 @@ def _error(command: str, message: str) -> int:
 
 
 def _validate(args) -> int:
-    from tiercache.policy import load_policy
+    from tiercache.policy.schema import load_policy
 
     try:
         policy = load_policy(args.policy)
         if args.model:
-            from tiercache.planner import resolve_model
+            from tiercache.planner.api import resolve_model
 
             policy.resolve(resolve_model(args.model))
     except PolicyError as e:
@@ -73,7 +54,7 @@ def _validate(args) -> int:
 
 
 def _plan(args) -> int:
-    from tiercache.planner import main_plan
+    from tiercache.planner.api import main_plan
 
     return main_plan(args.policy, args.model, args.context, args.batch, encoder_length=args.encoder_length,
                      weights=args.weights, device=args.device, prefill_chunk=args.prefill_chunk)
@@ -82,8 +63,9 @@ def _plan(args) -> int:
 def _generate(args) -> int:
     import torch
 
-    from tiercache.bench.tiny import ByteTokenizer, ModelLoadError, load_model
-    from tiercache.cache import TieredCache
+    from tiercache.models.tiny import ByteTokenizer
+    from tiercache.models.load import ModelLoadError, load_model
+    from tiercache.cache.tiered import TieredCache
 
     prompt = args.prompt
     if args.prompt_file is not None:
@@ -94,7 +76,7 @@ def _generate(args) -> int:
     if not prompt:
         source = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file!r}"
         return _error("generate", f"{source} is empty; give the text to continue (at least one character)")
-    from tiercache.hostmem import release_freed_memory
+    from tiercache.planner.hostmem import release_freed_memory
 
     release_freed_memory()  # freed activations go back to the OS: the peak is what is held (hostmem.py)
     torch.manual_seed(args.seed)
@@ -117,12 +99,12 @@ def _generate(args) -> int:
     context = ids.shape[1] + args.max_new_tokens
     try:
         cache = TieredCache.from_policy(args.policy, model.config, context_length=context)
-        from tiercache.planner import plan
+        from tiercache.planner.api import plan
 
         planned = plan(cache.policy, model, 1, context, device="cpu", prefill_chunk=args.prefill_chunk)
     except PolicyError as e:
         return _error("generate", str(e))
-    from tiercache.prefill import generate
+    from tiercache.cache.prefill import generate
 
     start = time.perf_counter()
     out = generate(model, ids, cache, prefill_chunk=planned.prefill_chunk, max_new_tokens=args.max_new_tokens,

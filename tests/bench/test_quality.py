@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from tiercache.bench import quality, runner, tiny
+from tiercache.bench import quality, runner
+from tiercache.models import tiny
 
 
 @pytest.fixture(scope="module")

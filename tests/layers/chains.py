@@ -11,8 +11,8 @@ import dataclasses
 
 import torch
 
-from tiercache.chain import Shared, build_layer
-from tiercache.policy import LayerPolicy, OffloadPolicy, QuantizePolicy
+from tiercache.cache.chain import Shared, build_layer
+from tiercache.policy.schema import LayerPolicy, OffloadPolicy, QuantizePolicy
 
 Q4 = QuantizePolicy(bits=4, group_size=4, residual_length=6)
 Q2T = QuantizePolicy(bits=2, group_size=4, residual_length=4, key_axis="token")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.processors.quantize import Quantize
+from tiercache.quantize.processor import Quantize
 
 from layers.chains import CHAINS, build, feed, kv
 

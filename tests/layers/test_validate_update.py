@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import models
-import tiercache.cache
+import builders as models
+import tiercache.cache.tiered
 import tiercache.layers.base
 from tiercache import CacheError, TieredCache
 
@@ -126,7 +126,7 @@ def test_an_update_is_checked_once_and_the_chain_trusts_it(name, monkeypatch):
             return real(*args, **kwargs)
         return check
 
-    monkeypatch.setattr(tiercache.cache, "check_update", counting("cache", tiercache.cache.check_update))
+    monkeypatch.setattr(tiercache.cache.tiered, "check_update", counting("cache", tiercache.cache.tiered.check_update))
     monkeypatch.setattr(tiercache.layers.base, "check_update", counting("layer", tiercache.layers.base.check_update))
     cache = build("mistral", name)
     write([cache], PREFILL, 0)

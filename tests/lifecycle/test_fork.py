@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import Gemma2Config, LlamaConfig
 
-import models
+import builders as models
 from lifecycle.policies import POLICIES, feed, policy
 from tiercache import TieredCache
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import models
+import builders as models
 from lifecycle.policies import POLICIES, filled, next_logits, policy
 from tiercache import CacheError, TieredCache
 from tiercache.lifecycle import persist

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import models
+import builders as models
 from lifecycle.policies import feed, next_logits, policy
 from tiercache import TieredCache
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import models
+import builders as models
 from lifecycle.policies import POLICIES, feed, filled, next_logits, policy
 from tiercache import CacheError, TieredCache
 from tiercache.lifecycle.meter import AllocationMeter
@@ -33,7 +33,7 @@ def test_retier_gives_the_state_of_the_new_policy(family, a, b):
     assert [layer.policy for layer in cache.layers] == cache.policy.resolve(cache.model)
     same_format = POLICIES[a].get("quantize") == POLICIES[b].get("quantize")
     # A full-precision sliding layer keeps only window - 1 tokens: into quantization, the oldest
-    # block of the new layer reaches before them (tiercache.processors.quantize_state), so there
+    # block of the new layer reaches before them (tiercache.quantize.state), so there
     # only the window's tail is compared, within quantization error.
     approx = family == "mistral" and a in LOSSLESS and b in QUANT
     if a in LOSSLESS or same_format:  # bit-identical to a cache of the new policy fed the same tokens
@@ -76,7 +76,7 @@ def test_same_block_format_moves_packed_bytes_as_they_are():
 def test_quantized_host_to_disk_moves_packed_rows_host_to_host(tmp_path, monkeypatch):
     """int4 on the host -> int4 on disk: the packed rows go host copy to host copy (Offload.adopt),
     never exported through the compute device, and stay the very bytes they were."""
-    from tiercache.processors.offload import Offload
+    from tiercache.offload.processor import Offload
 
     model = models.build("llama")
     ids, nxt = models.prompt(1, 30), models.prompt(1, 3, seed=4)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import SEQ2SEQ, build, build_seq2seq, seq2seq_inputs
+from builders import SEQ2SEQ, build, build_seq2seq, seq2seq_inputs
 from tiercache import CacheError, TieredCache, TieredEncoderDecoderCache
-from tiercache.processors.cross import CrossAttention
+from tiercache.layers.cross import CrossAttention
 
 Q4 = {"bits": 4, "group_size": 8, "residual_length": 4}
 HOST = {"device": "cpu", "prefetch": 1}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-import models
+import builders as models
 from lifecycle.policies import filled, next_logits, policy
 from tiercache import TieredCache
 

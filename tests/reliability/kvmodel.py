@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.cache import TieredCache
-from tiercache.model_spec import ModelSpec
-from tiercache.policy import Policy
-from tiercache.processors.offload import Offload
-from tiercache.processors.quantize import Quantize
+from tiercache.cache.tiered import TieredCache
+from tiercache.models.spec import ModelSpec
+from tiercache.policy.schema import Policy
+from tiercache.offload.processor import Offload
+from tiercache.quantize.processor import Quantize
 
 H, DK, DV = 2, 8, 6  # kv heads, key head dim, value head dim (they may differ)
 MAX_LENGTH = 40  # static storage

@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiercache.policy import QuantizePolicy
-from tiercache.processors import backends
-from tiercache.processors.blocks import BlockCodec, token_groups
+from tiercache.policy.schema import QuantizePolicy
+from tiercache.quantize import backends
+from tiercache.quantize.blocks import BlockCodec, token_groups
 
 
 @settings(max_examples=2000 if os.environ.get("HYPOTHESIS_PROFILE") == "nightly" else 60)

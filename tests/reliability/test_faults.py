@@ -22,8 +22,8 @@ import torch
 
 from kvmodel import CHAINS, Chain, assert_update, files_under, same_snapshot, snapshot, tokens
 from tiercache.errors import CacheError
-from tiercache.processors import disk as disk_module
-from tiercache.processors.disk import DiskTier
+from tiercache.offload import disk as disk_module
+from tiercache.offload.disk import DiskTier
 
 B = 2
 STEPS = [9, 1, 4, 1, 1, 17, 1, 2, 1, 250, 1, 1]  # tokens per model step (every layer); 250: a full buffer regrows

@@ -85,9 +85,9 @@ def test_quantized_chains_refuse_them_and_change_nothing(chain: Chain, value, wh
 
 def test_one_nan_would_poison_a_whole_group():
     """Why quantized chains refuse: min-max quantization of a group holding one NaN loses every value."""
-    from tiercache.policy import QuantizePolicy
-    from tiercache.processors import backends
-    from tiercache.processors.blocks import BlockCodec
+    from tiercache.policy.schema import QuantizePolicy
+    from tiercache.quantize import backends
+    from tiercache.quantize.blocks import BlockCodec
 
     codec = BlockCodec(backends.get(QuantizePolicy(bits=4, group_size=4)), 4, 8, "channel", torch.float32)
     x = torch.randn(1, 1, 4, 8)

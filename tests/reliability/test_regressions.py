@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from kvmodel import same_snapshot, snapshot, spec
-from tiercache.cache import TieredCache
-from tiercache.chain import make_storage
+from tiercache.cache.tiered import TieredCache
+from tiercache.cache.chain import make_storage
 from tiercache.errors import CacheError
 from tiercache.layers.sliding import SlidingLayer
-from tiercache.policy import OffloadPolicy
-from tiercache.processors.disk import DiskTier
-from tiercache.processors.offload import Prefetcher, offloaded
+from tiercache.policy.schema import OffloadPolicy
+from tiercache.offload.disk import DiskTier
+from tiercache.offload.processor import Prefetcher, offloaded
 
 
 def kv(b: int, t: int, seed: int = 0):
@@ -132,7 +132,7 @@ def test_refused_first_update_leaves_a_quantized_layer_as_new(monkeypatch):
     import errno
     import os
 
-    from tiercache.processors import disk as disk_module
+    from tiercache.offload import disk as disk_module
 
     with tempfile.TemporaryDirectory() as path:
         policy = {"quantize": {"bits": 4, "group_size": 4, "residual_length": 4}, "offload": {"device": "disk", "path": path}}
@@ -151,9 +151,9 @@ def test_refused_first_update_leaves_a_quantized_layer_as_new(monkeypatch):
 
 
 def test_quantized_sliding_layer_validates_crops_like_it_crops():
-    from tiercache.chain import build_layers
-    from tiercache.model_spec import ModelSpec
-    from tiercache.policy import Policy
+    from tiercache.cache.chain import build_layers
+    from tiercache.models.spec import ModelSpec
+    from tiercache.policy.schema import Policy
 
     model = ModelSpec("m", 1, ("sliding_attention",), kv_heads=2, head_dim=4, sliding_window=6)
     layers, _ = build_layers(Policy.from_dict({"quantize": {"bits": 4, "group_size": 2, "residual_length": 2}}).resolve(model))
@@ -192,7 +192,7 @@ BAD_FOR_OFFLOAD = [
 def test_refused_update_at_a_mirror_chunk_boundary_leaves_the_offloaded_layer_exact(name, make):
     """The update is checked before the device mirror is regrown (it used to be rebuilt in the bad
     update's dtype / batch first, so the next valid update returned wrong K/V)."""
-    from tiercache.model_spec import ModelSpec
+    from tiercache.models.spec import ModelSpec
 
     model = ModelSpec("m", 1, ("full_attention",), kv_heads=2, head_dim=8, dtype="float32")
     cache = TieredCache.from_policy({"offload": {"device": "cpu"}}, model)

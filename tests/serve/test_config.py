@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from tiercache import PolicyError, TieredCache
-from tiercache.bench.tiny import load_model
+from tiercache.models.load import load_model
 from tiercache.serve.config import load_store_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "serve" / "store.yaml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiercache.bench.tiny import ByteTokenizer
+from tiercache.models.tiny import ByteTokenizer
 from tiercache.serve.chat import Codec, fallback_template
 from tiercache.serve.sequence import pick
 from tiercache.serve.text import TextStream

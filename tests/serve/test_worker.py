@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tiercache.bench.tiny import load_model
-from tiercache.policy import load_policy
+from tiercache.models.load import load_model
+from tiercache.policy.schema import load_policy
 from tiercache.serve.chat import Codec
 from tiercache.serve.errors import APIError
 from tiercache.serve.protocol import parse_completion

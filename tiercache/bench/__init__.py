@@ -26,9 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     --baselines LIST      comma-separated transformers caches: dynamic, dynamic-offload (CUDA
                           only), quanto-int4, quanto-int2, hqq-int4, hqq-int2; ``none`` for none
                           (default: dynamic,dynamic-offload,quanto-int4,quanto-int2,hqq-int4).
-    --context N           prompt tokens (default 1024).
-    --new-tokens N        timed greedy decode steps (default 128).
-    --quality-tokens N    held-out tokens scored by teacher-forced decoding (default 512).
+    --context N           prompt tokens (default 8192: long enough that the cache, not the model, dominates).
+    --new-tokens N        timed greedy decode steps (default 64).
+    --quality-tokens N    held-out tokens scored by teacher-forced decoding (default 256).
     --repeats N           timed runs per setup, the fastest kept (default 3).
     --device D            cpu | cuda | cuda:N (default: cuda when available).
     --dtype T             float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA).

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from tiercache.bench import report, runner, setups, tiny
-from tiercache.cli import non_negative_int, positive_int
+from tiercache.bench import report, runner, setups
+from tiercache.models import load, tiny
+from tiercache.argtypes import non_negative_int, positive_int
 
 DEVICES = "cpu, cuda, cuda:N"
 
@@ -57,9 +58,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", nargs="*", default=None, help="policy YAML paths (default: the demo set)")
     p.add_argument("--baselines", type=baseline_names, default=",".join(setups.DEFAULT_BASELINES),
                    help=f"comma-separated, or 'none'; from: {', '.join(setups.BASELINES)}")
-    p.add_argument("--context", type=positive_int, default=1024, help="prompt tokens (>= 1)")
-    p.add_argument("--new-tokens", type=positive_int, default=128, help="timed greedy decode steps (>= 1)")
-    p.add_argument("--quality-tokens", type=positive_int, default=512,
+    p.add_argument("--context", type=positive_int, default=8192, help="prompt tokens (>= 1; default 8192, where the cache dominates)")
+    p.add_argument("--new-tokens", type=positive_int, default=64, help="timed greedy decode steps (>= 1)")
+    p.add_argument("--quality-tokens", type=positive_int, default=256,
                    help="held-out tokens scored by teacher forcing (>= 1)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per setup, fastest kept (>= 1)")
     p.add_argument("--device", type=device_name, default=None, help=f"{DEVICES} (default: cuda when available)")
@@ -127,8 +128,8 @@ def run(args) -> tuple[list[dict], dict, dict]:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     torch.manual_seed(0)
     try:
-        model, tok = tiny.load_model(args.model, device=str(device), dtype=dtype)
-    except tiny.ModelLoadError as e:
+        model, tok = load.load_model(args.model, device=str(device), dtype=dtype)
+    except load.ModelLoadError as e:
         raise BenchError(str(e)) from None
     try:
         ids = tiny.eval_ids(tok, args.context + args.quality_tokens)  # [context + quality_tokens]
@@ -149,11 +150,8 @@ def run(args) -> tuple[list[dict], dict, dict]:
     t0 = time.perf_counter()
     ref = runner.Reference.compute(model, ids, args.context, args.new_tokens)
     bar.update(args.new_tokens)
-    rows = []
-    for i, s in enumerate(rows_setups):
-        bar.set_postfix_str(s.name)
-        rows.append(runner.measure(s, model, ids, args.context, args.new_tokens, ref, args.repeats, bar.update))
-        bar.update(args.new_tokens + (i + 1) * per_setup - bar.n)  # skipped or failed rows
+    rows = runner.measure_all(rows_setups, model, ids, args.context, args.new_tokens, ref, args.repeats, bar.update,
+                              bar.set_postfix_str)
     bar.close()
     meta = {
         "model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""),

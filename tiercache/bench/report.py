@@ -3,9 +3,10 @@
 Interface
 - ``markdown(rows, meta) -> str``: one line per setup (see ``COLUMNS``); ratios are against the
   ``DynamicCache`` row (or the first tiercache row when there is none). "cache" is everything
-  held (``nbytes()``); "of which shared" is the part in buffers shared by all layers
-  (``TieredCache.shared_nbytes()``: dequantization workspace, prefetch slots), which transformers'
-  caches allocate afresh each step instead of holding.
+  held (``nbytes()``, shared buffers such as the dequantization workspace included; the JSON's
+  ``shared_total`` says how much of it they are); "peak decoding" adds what a decode step
+  allocates, which is where transformers' quantized caches (that dequantize the history afresh
+  each step) pay. "per place" appears when a setup holds bytes in more than one place.
 - ``write(rows, meta, out_dir) -> dict``: writes ``bench.md``, ``bench.json`` (``{"meta": ...,
   "rows": [...]}``, rows as returned by ``runner.measure``) and ``bench.png`` (left: cache bytes vs
   decode tokens/s, marker area growing with the perplexity increase; right: perplexity delta per
@@ -17,8 +18,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-COLUMNS = ["setup", "kind", "cache", "of which shared", "× bytes", "per place", "memory", "prefill tok/s", "decode tok/s",
-           "× decode", "ppl", "Δppl", "top-1 agree", "greedy agree", "note"]
+COLUMNS = ["setup", "kind", "cache", "× bytes", "peak decoding", "decode tok/s", "× decode", "prefill tok/s", "Δppl",
+           "top-1 agree", "greedy agree", "note"]
+PLACES = "per place"  # a column only when some setup holds bytes in more than one place (offload on a GPU)
 
 
 def human(n: float | None) -> str:
@@ -47,22 +49,26 @@ def _note(note: str | None, width: int = 160) -> str:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     ref = _reference(rows)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    split = any(len(r.get("cache_bytes") or {}) > 1 for r in rows)
+    columns = COLUMNS[:3] + [PLACES] + COLUMNS[3:] if split else COLUMNS
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for r in rows:
         g = r.get
         ratio_b = g("cache_total") / ref["cache_total"] if ref and g("cache_total") is not None and ref["cache_total"] else None
         ratio_d = g("decode_tok_s") / ref["decode_tok_s"] if ref and g("decode_tok_s") else None
-        places = ", ".join(f"{k} {human(v)}" for k, v in sorted((g("cache_bytes") or {}).items()))
-        mem = f"{human(g('memory'))} ({g('memory_kind')})" if g("memory") is not None else "-"
-        cells = [r["name"], r["kind"], human(g("cache_total")), human(g("shared_total")) if g("shared_total") else "-",
-                 _fmt(ratio_b, ".3f"), places or "-", mem,
-                 _fmt(g("prefill_tok_s"), ".0f"), _fmt(g("decode_tok_s"), ".1f"), _fmt(ratio_d, ".2f"),
-                 _fmt(g("ppl"), ".4f"), _fmt(g("ppl_delta"), "+.4f"), _fmt(g("top1_agreement"), ".3f"),
-                 _fmt(g("greedy_agreement"), ".3f"), _note(g("note"))]
+        cells = [r["name"], r["kind"], human(g("cache_total")), _fmt(ratio_b, ".3f"), human(g("peak")),
+                 _fmt(g("decode_tok_s"), ".1f"), _fmt(ratio_d, ".2f"), _fmt(g("prefill_tok_s"), ".0f"),
+                 _fmt(g("ppl_delta"), "+.4f"), _fmt(g("top1_agreement"), ".3f"), _fmt(g("greedy_agreement"), ".3f"),
+                 _note(g("note"))]
+        if split:
+            cells.insert(3, ", ".join(f"{k} {human(v)}" for k, v in sorted((g("cache_bytes") or {}).items())) or "-")
         lines.append("| " + " | ".join(cells) + " |")
     head = (f"model {meta.get('model')} on {meta.get('device')} ({meta.get('dtype')}), prompt {meta.get('context')} tokens, "
-            f"{meta.get('new_tokens')} decode tokens, perplexity over {meta.get('quality_tokens')} held-out tokens "
-            f"(reference ppl {_fmt(meta.get('reference_ppl'), '.4f')}, no cache)")
+            f"{meta.get('new_tokens')} decode tokens, timings interleaved over {meta.get('repeats')} rounds; "
+            f"perplexity over {meta.get('quality_tokens')} held-out tokens (reference ppl "
+            f"{_fmt(meta.get('reference_ppl'), '.4f')}, no cache). cache: bytes held after the run; "
+            f"peak decoding: the setup's own peak of tensor memory while decoding (its cache and what a step "
+            f"allocates); × against {ref['name'] if ref else '-'}")
     return head + "\n\n" + "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,7 @@
 """How much a storage layer allocates: plain integer rules (no torch), written once.
 
 The layers allocate by them (``buffer.Buffer``, ``sliding.SlidingLayer``) and the planner
-(``tiercache.footprint``) predicts ``nbytes()`` by them.
+(``tiercache.planner.footprint``) predicts ``nbytes()`` by them.
 
     CHUNK                                  tokens of capacity a growable buffer adds at a time
     capacity_for(tokens, chunk) -> int     capacity of a buffer that grew to hold ``tokens``
@@ -20,7 +20,7 @@ The layers allocate by them (``buffer.Buffer``, ``sliding.SlidingLayer``) and th
         ``max_length`` preallocated, or ``sliding_capacity``; 0 before the first token
 
 In units of the storage's "tokens": a quantized layer's store holds one packed block per row,
-so Quantize's store geometry (``processors/geometry.py``) goes through the same rules.
+so Quantize's store geometry (``quantize/geometry.py``) goes through the same rules.
 """
 
 from __future__ import annotations

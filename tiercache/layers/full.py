@@ -7,7 +7,7 @@ import torch
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.buffer import CHUNK, Buffer
 from tiercache.layers.state import check_ingest, expect, nest, part
-from tiercache.tiers import ComputeTier
+from tiercache.layers.tiers import ComputeTier
 
 
 class FullLayer(KVLayer):

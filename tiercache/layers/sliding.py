@@ -25,7 +25,7 @@ from tiercache.layers.buffer import CHUNK, Buffer
 from tiercache.layers.capacity import long_update, sliding_slack
 from tiercache.layers.spec import KVSpec
 from tiercache.layers.state import check_ingest, expect, field, nest, part
-from tiercache.tiers import ComputeTier
+from tiercache.layers.tiers import ComputeTier
 
 
 class SlidingLayer(KVLayer):

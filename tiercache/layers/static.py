@@ -19,7 +19,7 @@ from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.spec import KVSpec
 from tiercache.layers.state import check_ingest, empty_pair, expect, field, held_pair, spec_from, spec_state
-from tiercache.tiers import ComputeTier
+from tiercache.layers.tiers import ComputeTier
 
 
 class StaticLayer(KVLayer):

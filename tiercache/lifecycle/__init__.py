@@ -9,6 +9,6 @@
 
 Everything here speaks to layers through the layer protocol only (``state_dict`` /
 ``load_state_dict``, ``export`` / ``ingest``, ``Quantize.adopt``); new chains come from the chain
-builder (``tiercache.chain``) from the layer policies the cache's class gives
+builder (``tiercache.cache.chain``) from the layer policies the cache's class gives
 (``layer_policies(policy, model)``). No transformers import: the cache object is passed in.
 """

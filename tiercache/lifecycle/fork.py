@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 
-from tiercache.chain import build_layers
+from tiercache.cache.chain import build_layers
 from tiercache.errors import CacheError
 
 

@@ -43,13 +43,10 @@ class AllocationMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and not t.is_meta}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in inputs and storage.nbytes():
-                    self._track(storage, count=True)
+        inputs = {s.data_ptr() for s in map(_storage, tree_flatten((args, kwargs))[0]) if s is not None}
+        for storage in map(_storage, tree_flatten(out)[0]):
+            if storage is not None and storage.data_ptr() not in inputs and storage.nbytes():
+                self._track(storage, count=True)
         return out
 
     def _track(self, storage, count: bool) -> None:
@@ -66,3 +63,14 @@ class AllocationMeter(TorchDispatchMode):
     def _freed(self, ptr: int, size: int) -> None:
         self._known.discard(ptr)
         self.live -= size
+
+
+def _storage(t):
+    """The storage behind a plain tensor; None for anything else (meta tensors, and wrapper subclasses
+    such as quanto's, whose inner tensors the meter sees when their own ops run)."""
+    if not isinstance(t, torch.Tensor) or t.is_meta:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None

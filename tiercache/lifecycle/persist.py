@@ -37,7 +37,7 @@ import tempfile
 import torch
 
 from tiercache.errors import CacheError, PolicyError
-from tiercache.policy import Policy
+from tiercache.policy.schema import Policy
 
 FORMAT, VERSION = "tiercache-cache", 1
 DECODER_ONLY, ENCODER_DECODER, CROSS = "decoder-only", "encoder-decoder", "cross_attention"

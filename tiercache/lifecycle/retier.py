@@ -7,7 +7,7 @@ never a second whole cache.
 
 How a layer moves
 - Both quantized with the same block format and residual rule (``Quantize.can_adopt``: equal
-  codecs, ``processors/codec.CodecSpec``: backend, bits, group, axes, format, clip; the same
+  codecs, ``quantize/codec.CodecSpec``: backend, bits, group, axes, format, clip; the same
   residual length and sinks), e.g. int4 resident -> int4 on the host: ``new.adopt(old)``, the
   packed blocks move as they are (never re-quantized) and the residual is copied.
 - Otherwise ``new.ingest(*old.export())``: lossless moves (device, host, disk; full, static,
@@ -33,9 +33,9 @@ lossless moves; a layer that was quantized on the way keeps the dequantized valu
 
 from __future__ import annotations
 
-from tiercache.chain import Shared, build_layer, build_layers, compileable
+from tiercache.cache.chain import Shared, build_layer, build_layers, compileable
 from tiercache.errors import CacheError, PolicyError
-from tiercache.policy import load_policy
+from tiercache.policy.schema import load_policy
 
 
 def retier(cache, policy) -> None:
@@ -61,7 +61,7 @@ def retier_all(caches: list, policy) -> None:
     try:
         policy = load_policy(policy)
         if policy.auto:  # one rung for all (the first cache: the self-attention half)
-            from tiercache.planner import choose
+            from tiercache.planner.api import choose
 
             first = caches[0]
             policy = choose(policy, first.model, max(first.batch_size, 1), max(first.get_seq_length(), 1))

@@ -25,9 +25,9 @@ from pathlib import Path
 import yaml
 
 from tiercache.errors import PolicyError
-from tiercache.footprint import TIERS
-from tiercache.policy import Policy, load_policy
-from tiercache.policy_fields import parse_size
+from tiercache.planner.footprint import TIERS
+from tiercache.policy.schema import Policy, load_policy
+from tiercache.policy.fields import parse_size
 
 DEFAULT = {"budget": {"device": "1GiB", "host": "4GiB", "disk": None},
            "ladder": [{"name": "host", "offload": {"device": "cpu"}}]}

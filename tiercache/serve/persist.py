@@ -43,7 +43,7 @@ def save_entries(store, directory) -> int:
 
 
 def load_entries(store, directory, model_config, vocab_size: int | None = None, device=None) -> int:
-    from tiercache.cache import TieredCache
+    from tiercache.cache.tiered import TieredCache
 
     directory = Path(directory)
     if not directory.is_dir():

@@ -3,7 +3,7 @@
     build(model, policy=None, store=None, no_store=False, persist=None, **worker_options) -> (app, parts)
     main(args) -> exit code       (``tiercache.cli`` calls it with its parsed flags)
 
-``--model`` is loaded by ``tiercache.bench.tiny.load_model`` (``tiny``, ``tiny-random``, a path or a
+``--model`` is loaded by ``tiercache.models.load.load_model`` (``tiny``, ``tiny-random``, a path or a
 hub id), on CUDA when present. ``--policy`` is the serving policy (rung 0; default full
 precision); ``--store`` the budget and ladder (``configs/serve/store.yaml``; default ``config.DEFAULT``);
 ``--no-store`` keeps nothing between requests; ``--persist DIR`` saves entries on shutdown and
@@ -21,8 +21,8 @@ log = logging.getLogger("tiercache.serve")
 def build(model: str, policy=None, store=None, no_store: bool = False, persist=None, device=None, **options):
     import torch
 
-    from tiercache.bench.tiny import load_model
-    from tiercache.policy import load_policy
+    from tiercache.models.load import load_model
+    from tiercache.policy.schema import load_policy
     from tiercache.serve.app import create_app
     from tiercache.serve.chat import Codec
     from tiercache.serve.config import load_store_config
@@ -61,7 +61,7 @@ def main(args) -> int:
     except ImportError:
         print("tiercache serve: error: the server needs its extra: pip install 'tiercache[serve]'", file=sys.stderr)
         return 1
-    from tiercache.bench.tiny import ModelLoadError
+    from tiercache.models.load import ModelLoadError
     from tiercache.errors import PolicyError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -44,7 +44,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from tiercache.footprint import TIERS
+from tiercache.planner.footprint import TIERS
 from tiercache.serve.radix import BlockTrie
 
 log = logging.getLogger("tiercache.serve")

@@ -65,7 +65,7 @@ def context_length(model, policy) -> int:
 class Worker:
     def __init__(self, model, codec, policy, *, model_name: str, store=None, max_active: int = 4,
                  queue_size: int = 32, timeout: float = 600.0, metrics=None, prefill_chunk: int = 4096):
-        from tiercache.model_spec import ModelSpec
+        from tiercache.models.spec import ModelSpec
 
         self.model, self.codec, self.policy, self.store = model, codec, policy, store
         self.model_name = model_name
@@ -117,7 +117,7 @@ class Worker:
     def _need(self, tokens: int) -> dict:
         if self.store is None:
             return {}
-        from tiercache.planner import human, plan
+        from tiercache.planner.api import human, plan
 
         need = {t: int(n) for t, n in plan(self.policy, self.spec, 1, tokens).bytes.items()}
         for tier, n in need.items():
@@ -158,7 +158,7 @@ class Worker:
 
     # -- what sequences call ---------------------------------------------------------------------
     def new_cache(self, tokens: int):
-        from tiercache.cache import TieredCache
+        from tiercache.cache.tiered import TieredCache
 
         return TieredCache.from_policy(self.policy, self.model.config, context_length=tokens)
 

@@ -1,0 +1,143 @@
+"""The import graph of the installed package: imports flow one way, from the face (CLI, serve) down
+to the layers, with no circle; research tooling (``bench/research``) is never imported; the
+torch-only packages load without transformers, fastapi or redis.
+
+The graph is read from the source (every ``import``, lazy ones inside functions included), so a
+circle that only closes at run time is still found.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "tiercache"
+
+# packages that need torch alone (DESIGN: only cache/, the CLI, serve/, models/ and bench import transformers)
+TORCH_ONLY = ["tiercache.layers", "tiercache.quantize", "tiercache.offload", "tiercache.policy", "tiercache.planner",
+              "tiercache.lifecycle"]
+HEAVY = ("transformers", "fastapi", "uvicorn", "redis", "prometheus_client")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports_of(name: str, path: Path) -> list[tuple[str, bool]]:
+    """(imported module, at module level?) for every import statement of one module."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out += [(f"{base}.{a.name}", id(node) in top) for a in node.names]
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    g = {m: set() for m in mods}
+    for m, path in mods.items():
+        for target, _ in imports_of(m, path):
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if target and target != m and not m.startswith(target + ".") and target != "tiercache":
+                g[m].add(target)
+    return g
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_planted_circle():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(g) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles_in_the_package():
+    found = cycles(graph())
+    assert found == [], "import circles (imports must flow one way): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_package_never_imports_research_tooling():
+    bad = [(m, t) for m, p in modules().items() for t, _ in imports_of(m, p)
+           if t.split(".")[0] in ("research", "bench")]
+    assert bad == [], f"the installed package imports research tooling: {bad}"
+    assert not (PACKAGE / "bench" / "needle.py").exists() and (ROOT / "bench" / "research" / "needle.py").exists()
+
+
+@pytest.mark.parametrize("package", TORCH_ONLY)
+def test_torch_only_packages_import_no_heavy_library_at_module_level(package):
+    bad = [(m, t) for m, p in modules().items() if m == package or m.startswith(package + ".")
+           for t, top in imports_of(m, p) if top and t.split(".")[0] in HEAVY]
+    assert bad == [], f"{package} imports {bad} at module level (torch alone is allowed; import lazily)"
+
+
+def test_only_serve_imports_the_web_and_store_clients():
+    bad = [(m, t) for m, p in modules().items() if not m.startswith("tiercache.serve")
+           for t, _ in imports_of(m, p) if t.split(".")[0] in ("fastapi", "uvicorn", "redis", "prometheus_client")]
+    assert bad == [], f"only tiercache.serve may import fastapi / uvicorn / redis / prometheus_client: {bad}"
+
+
+def test_planning_and_policies_load_without_transformers():
+    code = ("import sys, tiercache, tiercache.planner.api, tiercache.policy, tiercache.quantize.processor, "
+            "tiercache.offload.processor, tiercache.layers.full; "
+            "p = tiercache.plan('configs/int4-kivi.yaml', 'llama-3-8b', context_length=4096); "
+            "print(sorted(m for m in %r if m in sys.modules), p.bytes['device'] > 0)" % (HEAVY,))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "True"], out.stdout
+
+
+def test_the_public_api_is_where_it_was():
+    code = ("import tiercache; from tiercache.cache.tiered import TieredCache; "
+            "from tiercache.planner.api import plan; from tiercache.cache.prefill import generate; "
+            "assert tiercache.TieredCache is TieredCache and tiercache.plan is plan and tiercache.generate is generate; "
+            "assert tiercache.load_policy and tiercache.Policy and tiercache.PolicyError and tiercache.CacheError; "
+            "from tiercache.cli import main; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr

@@ -1,0 +1,23 @@
+"""The cache transformers talks to: ``TieredCache`` and how it is built.
+
+Modules: ``tiered`` (``TieredCache``, the ``transformers.Cache`` subclass), ``chain`` (the chain
+builder, the only constructor of a layer's processors), ``chainspec`` (a layer policy's chain,
+torch-only, shared with the planner), ``cross_attention`` (encoder-decoder pairs), ``legacy``
+(tuple caches in and out), ``placeholders`` (KV-sharing layers), ``prefill`` (chunked prefill and
+``tiercache.generate``).
+
+``TieredCache``, ``TieredEncoderDecoderCache`` and ``generate`` are imported lazily, so that
+``tiercache.cache.chainspec`` loads without transformers.
+"""
+
+
+def __getattr__(name):
+    if name in ("TieredCache", "TieredEncoderDecoderCache"):
+        from tiercache.cache import tiered
+
+        return getattr(tiered, name)
+    if name == "generate":
+        from tiercache.cache.prefill import generate
+
+        return generate
+    raise AttributeError(f"module 'tiercache.cache' has no attribute {name!r}")

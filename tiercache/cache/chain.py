@@ -1,0 +1,173 @@
+"""Build one processor chain per model layer: ``build(spec_for(lp), shared)``.
+
+    build(spec: ChainSpec, shared=None) -> KVLayer      the only constructor of chains
+    build_layer(lp, shared, padded=False)               ``build(spec_for(lp, padded), shared)``
+    build_layers(layer_policies) -> (layers, Shared)    one cache's chains and what they share
+    make_storage(window, max_length, tier, chunk, padded)   one storage layer
+
+The chain's shape comes from its ``ChainSpec`` (``tiercache.cache.chainspec``, derived purely from the
+``LayerPolicy``), from the inside out:
+
+    quantize off, offload off:   storage                       (full | static | sliding)
+    offload only:                Offload(storage on host/disk)
+    quantize (+ offload):        Quantize(store, Codec)        the store of packed blocks, sized
+                                                               by the spec (rows, not tokens),
+                                                               offloaded when asked
+
+Cross-attention layers (``layer_type == "cross_attention"``, encoder-decoder models) get
+``CrossAttention(...)`` around the chain: transformers reads them back through ``.keys`` /
+``.values``.
+
+Quantize sits *outside* Offload so that what is kept on the host and crosses the bus is the
+packed blocks, and the residual window stays on the compute device. ``Shared`` carries what
+the layers of one cache share: the offload prefetcher (side stream, device buffers) and the
+dequantization workspace of the quantized layers (``Shared.workspace``).
+
+KV sharing (Gemma 3n / Gemma 4): a layer whose K/V later layers read (``kv_sharing ==
+"store"``) must return tensors that outlive other layers' updates, so it gets no shared
+workspace (Quantize returns fresh tensors) and an offloaded one returns copies of its mirror
+(the prefetcher's slots are reused by the next layers).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tiercache.cache.chainspec import ChainSpec, spec_for
+from tiercache.layers.base import KVLayer
+from tiercache.layers.buffer import CHUNK, capacity_for
+from tiercache.layers.full import FullLayer
+from tiercache.layers.sliding import SlidingLayer
+from tiercache.layers.static import StaticLayer
+from tiercache.policy.schema import LayerPolicy
+
+
+def make_storage(window: int | None = None, max_length: int | None = None, tier=None, chunk: int = CHUNK,
+                 padded: bool = False) -> KVLayer:
+    """``sliding`` when a window is given, else ``static`` when a max_length is, else ``full``.
+
+    ``chunk``: tokens of capacity a growable buffer adds at a time (a quantized layer's store
+    holds one packed block per "token" and grows ``STORE_CHUNK`` rows at a time, not 256:
+    its ``StoreSpec``). ``padded``: a
+    static layer returns all ``max_length`` slots (only in a cache that is compileable as a
+    whole, see ``tiercache.layers.static``).
+    """
+    if window is not None:
+        return SlidingLayer(window, tier, chunk)
+    if max_length is not None:
+        return StaticLayer(max_length, tier, padded=padded)
+    return FullLayer(tier, chunk)
+
+
+class Shared:
+    """Objects shared by the layers of one cache; created lazily, closed with the cache.
+
+    ``workspace(shapes, dtype, device)``: tensors of ``shapes`` (each ``[..., S, D]``), laid one
+    after the other in one reusable buffer per (dtype, device). Quantize returns its dequantized
+    K/V in them, so a decode step allocates nothing; they are valid until the next call (the next
+    update on the cache), which overwrites them. The buffer grows to the largest request so far,
+    each shape counted with ``S`` rounded up to whole chunks (``capacity_for``), never shrinks,
+    and is reported once by ``nbytes()`` under the device's place.
+    """
+
+    def __init__(self):
+        self._prefetcher = None
+        self._workspaces: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    @property
+    def prefetcher(self):
+        if self._prefetcher is None:
+            from tiercache.offload.processor import Prefetcher
+
+            self._prefetcher = Prefetcher()
+        return self._prefetcher
+
+    def workspace(self, shapes, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        need = [math.prod(s) for s in shapes]
+        buf = self._workspaces.get((dtype, device))
+        if buf is None or buf.numel() < sum(need):  # rounded up, so this is rare: only then the chunks
+            capacity = sum(math.prod(s[:-2]) * capacity_for(s[-2]) * s[-1] for s in shapes)
+            if buf is None or buf.numel() < capacity:
+                buf = self._workspaces[(dtype, device)] = None  # the old one is freed before the new is made
+                buf = self._workspaces[(dtype, device)] = torch.empty(capacity, dtype=dtype, device=device)
+        out, at = [], 0
+        for shape, n in zip(shapes, need):
+            out.append(buf.narrow(0, at, n).view(shape))
+            at += n
+        return out
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The shared tensors held now (workspaces, prefetch slots): what a memory meter watches."""
+        slots = [] if self._prefetcher is None else [s.data for s in self._prefetcher.slots if s.data is not None]
+        return [*self._workspaces.values(), *slots]
+
+    def workspace_nbytes(self) -> dict[str, int]:
+        """Bytes of the dequantization workspaces, per place (part of ``nbytes()``)."""
+        from tiercache.layers.tiers import place_of
+
+        out: dict[str, int] = {}
+        for (_, device), buf in self._workspaces.items():
+            out[place_of(device)] = out.get(place_of(device), 0) + buf.numel() * buf.element_size()
+        return out
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of shared buffers (the prefetcher's device mirrors, the workspaces), per place."""
+        out = dict(self._prefetcher.nbytes()) if self._prefetcher is not None else {}
+        for place, n in self.workspace_nbytes().items():
+            out[place] = out.get(place, 0) + n
+        return out
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        self._workspaces.clear()
+
+
+def compileable(lp: LayerPolicy) -> bool:
+    """The layer is plain resident static storage (a cache of only those is compileable)."""
+    return lp.storage == "static" and lp.window is None and lp.quantize is None and lp.offload is None
+
+
+def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
+    """The chain ``spec`` describes (module docstring). ``shared``: what the layers of one cache
+    share; None builds a chain that shares nothing (a quantized layer returns fresh tensors, an
+    offloaded one gets a prefetcher of its own)."""
+    st = spec.store
+
+    def storage(tier=None) -> KVLayer:
+        return make_storage(st.window, st.max_length, tier, st.chunk, st.padded)
+
+    if spec.offload is None:
+        layer = storage()
+    else:
+        from tiercache.offload.processor import offloaded
+
+        prefetcher = (shared if shared is not None else Shared()).prefetcher
+        layer = offloaded(storage, spec.offload, prefetcher, spec.index,
+                          owned_outputs=spec.owned_outputs and spec.quantize is None)
+    if spec.quantize is not None:
+        from tiercache.quantize.blocks import Codec
+        from tiercache.quantize.processor import Quantize
+
+        q = spec.quantize
+        layer = Quantize(layer, Codec(q.codec), q.residual_length, q.sink_tokens, window=q.window,
+                         max_length=q.max_length, shared=None if spec.owned_outputs else shared)
+    if spec.cross:  # read back every step through .keys / .values
+        from tiercache.layers.cross import CrossAttention
+
+        layer = CrossAttention(layer, fresh_reads=spec.quantize is not None)
+    layer.policy = spec.policy  # each chain knows the LayerPolicy it was built from
+    return layer
+
+
+def build_layer(lp: LayerPolicy, shared: Shared, padded: bool = False) -> KVLayer:
+    """``build(spec_for(lp, padded), shared)``."""
+    return build(spec_for(lp, padded), shared)
+
+
+def build_layers(layer_policies: list[LayerPolicy]) -> tuple[list[KVLayer], Shared]:
+    shared = Shared()
+    padded = bool(layer_policies) and all(compileable(lp) for lp in layer_policies)
+    return [build_layer(lp, shared, padded) for lp in layer_policies], shared

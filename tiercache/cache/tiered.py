@@ -1,0 +1,399 @@
+"""TieredCache: one processor chain per model layer, behind transformers' ``Cache`` interface.
+
+    cache = TieredCache.from_policy("configs/default.yaml", model.config)
+    model.generate(**inputs, past_key_values=cache)      # or model(..., past_key_values=cache)
+    cache.update(k, v, layer_idx)                         # any model that calls update works
+    cache.nbytes()                                        # {"cpu": ..., "cuda:0": ..., "disk": ...}
+    cache.offload_stats()     # offload counters: bytes_h2d, bytes_d2h, fetches, side_fetches, host_waits
+
+It needs no ``cache_position``: each layer counts the tokens it has seen. Every transformers
+cache method is answered by the chains (``tiercache.layers.base`` protocol), and errors from a
+layer are re-raised as ``CacheError`` naming the layer index. An update is checked once, here
+(``tiercache.layers.validate``), then appended to the chain, which trusts it; ``layers[i].keys`` / ``.values``
+are what a layer holds (``KVLayer.keys``). ``crop`` follows transformers 5.x (see ``crop``); a
+crop a sliding layer cannot give exactly changes no layer. KV-sharing layers that reuse another
+layer's K/V are transformers' placeholders (``tiercache.cache.placeholders``).
+
+Returned K/V may be views of internal buffers, valid until the next call on the cache (as with
+transformers' own caches, attention consumes them at once).
+
+Lifecycle (``tiercache.lifecycle``): ``fork()`` (= ``copy.deepcopy``), ``retier(policy)``, ``save`` /
+``load``; legacy tuples (``tiercache.cache.legacy``): ``from_legacy`` / ``to_legacy``; encoder-decoder
+models: ``for_encoder_decoder(policy, config)`` -> ``TieredEncoderDecoderCache`` (transformers'
+``EncoderDecoderCache`` of two TieredCaches, the cross half per ``tiercache.cache.cross_attention``).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+
+from tiercache.cache.chain import Shared, build_layers
+from tiercache.cache.cross_attention import check_supported, cross_layer_policies
+from tiercache.errors import CacheError, PolicyError
+from tiercache.layers.base import KVLayer
+from tiercache.layers.validate import check_layer_index, check_room, check_update
+from tiercache.models.spec import ModelSpec, model_type_of, spec_of
+from tiercache.cache.placeholders import Placeholders
+from tiercache.policy.schema import Policy, load_policy
+
+
+class TieredCache(Cache):
+    def __init__(self, layers: list[KVLayer], policy: Policy, model: ModelSpec, shared=None,
+                 model_type: str | None = None):
+        super().__init__(layers=layers)
+        self.policy = policy
+        self.model = model
+        self.model_type = model_type  # the config's model_type (part of a save's model fingerprint)
+        self.token_ids: list | None = None  # set by load() when the save had them
+        self._shared = shared
+        self._reuse = Placeholders(model)  # KV sharing: transformers' DummyLayer rules for these
+
+    @classmethod
+    def _build(cls, policy: Policy, model: ModelSpec, model_type: str | None = None) -> "TieredCache":
+        """An empty cache of a concrete (not ``auto``) policy: the chain builder is the only constructor."""
+        layers, shared = build_layers(cls.layer_policies(policy, model))
+        return cls(layers, policy, model, shared, model_type)
+
+    @classmethod
+    def layer_policies(cls, policy: Policy, model: ModelSpec) -> list:
+        """The layer policies this class builds for ``policy`` (``_build``, ``retier``, ``load``): a hook."""
+        return policy.resolve(model)
+
+    @classmethod
+    def from_policy(cls, policy, model_config, batch_size: int = 1, context_length: int | None = None) -> "TieredCache":
+        """Build from a Policy, a YAML path or a dict, for a transformers config (or a ModelSpec).
+
+        ``batch_size`` and ``context_length`` are only used by ``auto: true`` policies, which
+        let the planner choose the least lossy rung that fits the budget; without a context
+        length the policy's ``max_length`` is planned for, else 4096 tokens.
+        """
+        policy = load_policy(policy)
+        model = spec_of(model_config)
+        if model.cross_attention and not isinstance(model_config, ModelSpec):
+            raise PolicyError(
+                f"{type(model_config).__name__} is an encoder-decoder model: its layers attend to themselves and to "
+                "the encoder, so it needs TieredCache.for_encoder_decoder(policy, config) (an EncoderDecoderCache "
+                "of two TieredCaches)"
+            )
+        if policy.auto:
+            from tiercache.planner.api import check_sizes, choose
+
+            context = context_length if context_length is not None else (policy.max_length or 4096)
+            check_sizes(batch_size, context)
+            policy = choose(policy, model, batch_size, context)
+        return cls._build(policy, model, model_type_of(model_config))
+
+    @classmethod
+    def from_legacy(cls, past, policy, model_config, *, seq_length: int | None = None) -> "TieredCache":
+        """A cache holding a legacy past: a tuple of per-layer ``(key, value)`` tensors ``[B, H, S, D]``
+        (old transformers' ``past_key_values``). ``seq_length``: the tokens the past stands for, when
+        its layers are all sliding and trimmed (see ``tiercache.cache.legacy``). Bad input is a
+        ``CacheError`` before anything is built. Encoder-decoder models: four tensors per layer,
+        and the cache of ``for_encoder_decoder`` comes back."""
+        from tiercache.cache.tiered import legacy
+
+        return legacy.build(cls, past, load_policy(policy), spec_of(model_config), seq_length)
+
+    def to_legacy(self) -> tuple:
+        """Per layer ``(keys, values)`` at full precision, fresh tensors (``()`` when empty)."""
+        from tiercache.cache.tiered import legacy
+
+        return legacy.export(self.layers)
+
+    @classmethod
+    def for_encoder_decoder(cls, policy, model_config) -> "TieredEncoderDecoderCache":
+        """What ``generate(past_key_values=...)`` takes for BART, T5, Whisper ...: an ``EncoderDecoderCache`` of
+        two TieredCaches, self-attention per the policy, cross-attention per its ``cross_attention:`` section."""
+        check_supported(model_config)
+        policy, model = load_policy(policy), spec_of(model_config)
+        cross = CrossAttentionCache._build(policy, model, model_type_of(model_config))  # PolicyError: decoder-only
+        return TieredEncoderDecoderCache(cls.from_policy(policy, model), cross)
+
+    # -- the write path --------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._layer(layer_idx)
+        self._reuse.check_update(layer_idx)
+        self._on(layer_idx, lambda layer: check_update(layer, key_states, value_states, model=True))
+        if layer_idx == self._reuse.first:
+            check_room({i: self.layers[i] for i in self._reuse.stores(len(self.layers))}, key_states.shape[2])
+        return self._on(layer_idx, lambda layer: layer.append(key_states, value_states))
+
+    # -- what transformers asks ------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._attention_layer(layer_idx, "get_seq_length").seq_length() if self.layers else 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self._attention_layer(layer_idx, "get_mask_sizes").mask_sizes(query_length)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        if layer_idx is None:
+            return max(self.get_max_length(i) for i in range(len(self.layers)))
+        layer = self._layer(layer_idx)
+        return -1 if layer_idx in self._reuse else layer.max_length()
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [layer.is_sliding and i not in self._reuse for i, layer in enumerate(self.layers)]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self.layers)
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        """True for the layers that reuse another layer's K/V (transformers' placeholder layers)."""
+        return [i in self._reuse for i in range(len(self.layers))]
+
+    @property
+    def is_compileable(self) -> bool:
+        return bool(self.layers) and all(layer.is_compileable for layer in self.layers)
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def is_initialized(self) -> bool:
+        """transformers' meaning: every layer that stores has had an update since it was built or reset."""
+        stores = self._reuse.stores(len(self.layers))
+        return bool(stores) and all(self.layers[i].is_initialized for i in stores)
+
+    @property
+    def batch_size(self) -> int:
+        """The batch held, -1 before any update (as StaticCache; DynamicCache always says -1)."""
+        for layer in self.layers:
+            batch = layer.batch_size()
+            if batch is not None:
+                return batch
+        return -1
+
+    def early_initialization(self, *args, **kwargs) -> None:
+        """Layers learn batch, heads, dtype and device from their first update: nothing to do."""
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        """Offloaded layers prefetch themselves (tiercache.offload.processor)."""
+
+    def offload(self, layer_idx: int, only_non_sliding: bool = True) -> None:
+        """Offloaded layers write back only new tokens themselves (tiercache.offload.processor)."""
+
+    # -- whole-cache operations ----------------------------------------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers 5.x: ``crop(-n)`` removes the last ``n`` tokens (every token when ``n`` is more
+        than held); ``crop(0)`` trims sliding layers after a rollback; a positive value is refused."""
+        x = tokens_to_remove
+        if not isinstance(x, int) or isinstance(x, bool) or x > 0:
+            raise CacheError(f"crop({x!r}): needs an int <= 0 (-n: remove the last n tokens; 0: trim sliding layers "
+                             "after a rollback); a positive value is not supported (transformers 5.x refuses it too): "
+                             "crop(x - cache.get_seq_length()) keeps the first x")
+        # All or nothing: every layer validates first; sliding layers (the only ones that may refuse)
+        # crop first; placeholders (KV sharing: reuse) ignore crop, as transformers' do.
+        order = sorted(self._reuse.stores(len(self.layers)), key=lambda i: not self.layers[i].is_sliding)
+        self._each(lambda layer: layer.validate_crop(-x), order)
+        self._each(lambda layer: layer.crop(-x), order)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._each(lambda layer: layer.reorder(beam_idx))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._each(lambda layer: layer.select(indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._each(lambda layer: layer.repeat_interleave(repeats))
+
+    def reset(self) -> None:
+        """Empty every layer and free the shared buffers (workspace, prefetch slots): ``nbytes()`` is {} after."""
+        self._each(lambda layer: layer.reset())
+        if self._shared is not None:
+            self._shared.close()  # re-created on demand
+
+    def activate_past_recording(self) -> None:
+        self._each(lambda layer: layer.set_recording(True), self._reuse.stores(len(self.layers)))
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return self._layer(layer_idx).record_past and layer_idx not in self._reuse
+
+    def close(self) -> None:
+        """Release every buffer and file now (also done when the cache is garbage-collected). The cache
+        is then empty and may be used again, as after ``reset`` (it allocates anew)."""
+        self._each(lambda layer: layer.close())
+        if self._shared is not None:
+            self._shared.close()
+
+    # -- accounting ------------------------------------------------------------------------------
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held now, per place (``cpu``, ``cuda:0``, ``disk`` ...)."""
+        holders = [*self.layers, *([self._shared] if self._shared is not None else [])]
+        return _summed(holder.nbytes() for holder in holders)
+
+    def tier_nbytes(self) -> dict[str, int]:
+        """Bytes held now, per tier (``device``, ``host``, ``disk``): host-tier bytes apart from
+        compute-device bytes even on a CPU-only machine (the shared buffers are device bytes)."""
+        parts = [layer.tier_nbytes() for layer in self.layers]
+        if self._shared is not None:
+            parts.append({"device": sum(self._shared.nbytes().values())})
+        return {tier: n for tier, n in _summed(parts).items() if n}
+
+    def shared_nbytes(self) -> dict[str, int]:
+        """The part of ``nbytes()`` in buffers shared by all layers, per place: the dequantization
+        workspace (one layer at full precision) and the offload prefetch slots (prefetch + 1
+        layers). They do not grow with the number of layers; the rest is the per-layer state."""
+        return self._shared.nbytes() if self._shared is not None else {}
+
+    def offload_stats(self) -> dict[str, int]:
+        """The offload counters so far (``tiercache.offload.prefetch``); zeros without offload."""
+        return (self._shared or Shared()).prefetcher.stats()
+
+    # -- lifecycle (tiercache.lifecycle) --------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Every layer's state (``layers.{i}.`` prefixes): tensors left where they live, no copies."""
+        return {f"layers.{i}.{k}": v for i, layer in enumerate(self.layers) for k, v in layer.state_dict().items()}
+
+    def fork(self) -> "TieredCache":
+        """An independent copy: a cache built by the chain builder from the same layer policies,
+        loaded from this one's state (tensors copied onto its own tiers, disk files of its own,
+        its own prefetcher; no device mirror carried over). Writing to one never shows in the other."""
+        from tiercache.lifecycle.fork import fork
+
+        return fork(self)
+
+    def __deepcopy__(self, memo) -> "TieredCache":
+        return self.fork()
+
+    def __copy__(self) -> "TieredCache":
+        """A shallow copy would share buffers, files and a prefetcher: ``copy.copy`` forks too."""
+        return self.fork()
+
+    def retier(self, policy) -> None:
+        """Move this cache to ``policy`` (a Policy, YAML path or dict) in place, layer by layer."""
+        from tiercache.lifecycle.retier import retier
+
+        retier(self, policy)
+
+    def save(self, path, token_ids=None) -> None:
+        """Write the cache as held to one file (``tiercache.lifecycle.persist``), atomically."""
+        from tiercache.lifecycle.persist import save
+
+        save(self, path, token_ids)
+
+    @classmethod
+    def load(cls, path, model_config, *, policy=None, device=None) -> "TieredCache":
+        """A cache saved by ``save``, for this model; ``policy=`` re-tiers it on the way in,
+        ``device=`` sets the compute device (default: the one it was saved from)."""
+        from tiercache.lifecycle import persist, retier
+
+        return retier.retiered(persist.load(cls, path, spec_of(model_config), model_type_of(model_config), device),
+                               policy)
+
+    def shared_buffers(self) -> list[torch.Tensor]:
+        """The tensors behind ``shared_nbytes()`` (e.g. for ``tiercache.lifecycle.AllocationMeter``)."""
+        return self._shared.buffers() if self._shared is not None else []
+
+    def __repr__(self) -> str:
+        return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
+
+    # -- internals -------------------------------------------------------------------------------
+    def _layer(self, layer_idx: int) -> KVLayer:
+        check_layer_index(layer_idx, len(self.layers), self.model.name)
+        return self.layers[layer_idx]
+
+    def _attention_layer(self, layer_idx: int, what: str) -> KVLayer:
+        """The layer that answers ``what`` for ``layer_idx`` (a placeholder 0: the first that stores)."""
+        self._layer(layer_idx)
+        return self.layers[self._reuse.answering(layer_idx, len(self.layers), what)]
+
+    def _on(self, i: int, op):
+        """``op(layers[i])``; its CacheError names the layer index."""
+        try:
+            return op(self.layers[i])
+        except CacheError as e:
+            raise CacheError(f"layer {i}: {e}") from e
+
+    def _each(self, op, order=None) -> None:
+        """``op(layer)`` on every layer (or those of ``order``, in that order), one after the other."""
+        for i in range(len(self.layers)) if order is None else order:
+            self._on(i, op)
+
+
+class CrossAttentionCache(TieredCache):
+    """The cross-attention half of a ``TieredEncoderDecoderCache``: its layers follow the policy's
+    ``cross_attention`` section (``tiercache.cache.cross_attention``); it is saved only with its pair."""
+
+    @classmethod
+    def layer_policies(cls, policy: Policy, model: ModelSpec) -> list:
+        return cross_layer_policies(policy, model)
+
+    def save(self, path, token_ids=None) -> None:
+        raise CacheError("save: a cross-attention half is saved with its pair: save the TieredEncoderDecoderCache")
+
+
+class TieredEncoderDecoderCache(EncoderDecoderCache):
+    """transformers' ``EncoderDecoderCache`` over two TieredCaches (``TieredCache.for_encoder_decoder``).
+
+    transformers keeps ``crop`` / ``batch_select_indices`` / ``batch_repeat_interleave`` for two
+    DynamicCaches; TieredCaches support them too (assisted decoding crops the self-attention half).
+    ``nbytes()`` and ``close()`` cover both halves; ``cross_nbytes()`` is the cross-attention part.
+    ``retier`` / ``save`` / ``load`` cover both halves too (``tiercache.lifecycle``).
+    """
+
+    def retier(self, policy) -> None:
+        """Self-attention per ``policy``, cross-attention per its ``cross_attention`` section, all or nothing."""
+        from tiercache.lifecycle.retier import retier_all
+
+        retier_all([self.self_attention_cache, self.cross_attention_cache], policy)
+
+    def save(self, path, token_ids=None) -> None:
+        from tiercache.lifecycle.persist import save
+
+        save(self.self_attention_cache, path, token_ids, self.cross_attention_cache, self.is_updated)
+
+    @classmethod
+    def load(cls, path, model_config, *, policy=None, device=None) -> "TieredEncoderDecoderCache":
+        """An encoder-decoder save, for this model; ``policy=`` / ``device=`` as ``TieredCache.load``."""
+        from tiercache.lifecycle import persist, retier
+
+        check_supported(model_config)
+        this, cross, flags = persist.load(TieredCache, path, spec_of(model_config), model_type_of(model_config),
+                                          device, CrossAttentionCache)
+        cache = cls(this, cross)
+        cache.is_updated = flags
+        return retier.retiered(cache, policy)
+
+    @property
+    def token_ids(self) -> list | None:
+        return self.self_attention_cache.token_ids  # as TieredCache.token_ids: given to save, set by load
+
+    def check_dynamic_cache(self, method: str) -> None:
+        for half in (self.self_attention_cache, self.cross_attention_cache):
+            if not isinstance(half, (TieredCache, DynamicCache)):
+                raise CacheError(f"{method}: needs TieredCache or DynamicCache halves, got {type(half).__name__}")
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held now by both halves, per place (``cpu``, ``cuda:0``, ``disk`` ...)."""
+        return _summed([self.self_attention_cache.nbytes(), self.cross_nbytes()])
+
+    def cross_nbytes(self) -> dict[str, int]:
+        return self.cross_attention_cache.nbytes()
+
+    def to_legacy(self) -> tuple:
+        """Per layer ``(self key, self value, cross key, cross value)`` at full precision, fresh
+        tensors (``()`` when empty); ``TieredCache.from_legacy`` takes it back."""
+        from tiercache.cache.tiered import legacy
+
+        return legacy.join(self.self_attention_cache.to_legacy(), self.cross_attention_cache.to_legacy(),
+                           len(self.self_attention_cache.layers))
+
+    def close(self) -> None:
+        self.self_attention_cache.close()
+        self.cross_attention_cache.close()
+
+
+def _summed(parts) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for part in parts:
+        for key, n in part.items():
+            total[key] = total.get(key, 0) + n
+    return total

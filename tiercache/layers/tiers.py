@@ -1,0 +1,66 @@
+"""Tiers: where a layer's tensors are allocated, and how that place is named in ``nbytes()``.
+
+Interface (tiny on purpose)
+    empty(shape, dtype, device) -> Tensor   a new uninitialised tensor on this tier; ``device``
+                                             is the compute device, used by tiers that follow it
+    place(device) -> str                     the key under which its bytes are reported
+    kind                                     the tier it is: ``device``, ``host`` or ``disk``
+                                             (``tier_nbytes()`` keys, apart even on a CPU-only run)
+    free(tensor)                             the tier may release what backs ``tensor`` (files)
+    close()                                  release everything for good
+
+``ComputeTier`` allocates beside the model (its device comes from the first update).
+``HostTier`` keeps tensors in CPU memory, pinned when CUDA is present and asked for.
+The disk tier lives with the offload processor (``tiercache.offload.disk``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def place_of(device: torch.device | str) -> str:
+    """A stable name for a device: ``cpu``, ``cuda:0`` ..."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+class ComputeTier:
+    """Allocates on the compute device (the device the keys arrive on)."""
+
+    kind = "device"
+
+    def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def place(self, device: torch.device) -> str:
+        return place_of(device)
+
+    def free(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class HostTier:
+    """Allocates in CPU memory; pinned (page-locked) when CUDA is available and ``pin`` is set."""
+
+    kind = "host"
+
+    def __init__(self, pin: bool = True):
+        self.pin = bool(pin) and torch.cuda.is_available()
+
+    def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin)
+
+    def place(self, device: torch.device) -> str:
+        return "cpu"
+
+    def free(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,282 @@
+"""The Prefetcher: one per cache, shared by its offloaded layers; owns the side stream, the
+pool of device buffers (slots) and the device copies of offloaded layers in them: one
+``Mirror`` (``tiercache.offload.mirror``) per fetched layer, created, regrown and
+invalidated here only.
+
+Interface used by ``Offload`` (``tiercache.offload.processor``)
+    register(layer, index) -> key          order the layer among the offloaded ones
+    acquire(layer, room) -> Mirror         make ``layer`` the one in use: its mirror is on the
+                                           device, waited for on the compute stream; the next
+                                           ``layer.depth`` layers (cyclic) start fetching
+    reserve(mirror, key, value)            room in the mirror for these new tokens (slide, or
+                                           regrow into fresh slot bytes with the held tokens)
+    mirror(layer) -> Mirror | None         the layer's mirror now, if fetched (no fetch)
+    prefetch(layer)                        start fetching ``layer`` if a slot is free
+    evict(layer)                           drop the layer's mirror (after crop, reorder ...)
+    count_d2h(nbytes), count_host_wait(), stats(), nbytes(), close()
+    side_stream(device) -> torch.cuda.Stream       the side stream (offload write-backs use it too)
+
+A layer offers, read-only: ``key`` (from ``register``), ``depth`` (layers fetched ahead),
+``device`` (its compute device), ``pad`` (its mirror's least capacity: a static layer's
+max_length, else 0) and ``host_kv()`` (its host copy, ``[B, H, S, D]`` views, or None; pending
+write-backs joined first). The prefetcher never writes a layer's attributes; a ``Mirror`` it
+has dropped is marked ``valid = False`` and holds no views.
+
+Errors: a device buffer that cannot be allocated (``torch.OutOfMemoryError``) raises
+``CacheError`` from ``acquire`` / ``reserve`` before any slot or mirror changes; a fetch *ahead*
+that cannot get one is skipped (the layer is fetched, or reports, when it is used).
+
+Safety (CUDA): a fetch runs on the side stream after ``wait_event(slot.release)``, the event
+recorded on the compute stream when the slot's previous owner stopped being in use (its
+attention was enqueued by then), so no buffer is overwritten while it is still read; the
+compute stream ``wait_event(slot.ready)`` before reading a mirror, so no copy is read before it
+lands. Slot memory is allocated on the compute stream and ``record_stream``-ed on the side one.
+At most ``depth + 1`` slots exist: the layer in use and the ones fetched ahead. Without CUDA
+there is no stream or event; the copies are real, synchronous copies on the CPU.
+
+Counters (``stats()``; ``TieredCache.offload_stats()``): ``bytes_h2d`` (host -> device,
+fetches: the bytes copied, including the free slack between rows that a one-span copy carries), ``bytes_d2h`` (new tokens written back), ``fetches`` and ``side_fetches`` (those
+enqueued on a side stream), ``host_waits`` (times an offloaded layer had to block on a
+write-back that had not landed yet: 0 in steady decoding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from tiercache.errors import CacheError
+from tiercache.offload.mirror import Mirror, layout_bytes, mirror_capacity, plan
+from tiercache.layers.tiers import place_of
+
+ALIGN = 2 << 20  # slot bytes grow in 2 MiB steps
+COUNTERS = ("bytes_h2d", "bytes_d2h", "fetches", "side_fetches", "host_waits")
+
+
+class Slot:
+    """One reusable device buffer: flat bytes, the layer that owns it, and its two events."""
+
+    def __init__(self):
+        self.data: torch.Tensor | None = None  # [nbytes] uint8 on the compute device
+        self.owner: int | None = None  # key of the layer whose mirror it holds
+        self.ready = None  # event: the fetch into it has landed (side stream)
+        self.release = None  # event: its last reader was enqueued before this (compute stream)
+
+    def nbytes(self) -> int:
+        return 0 if self.data is None else self.data.numel()
+
+    def views(self, shapes, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Typed views laid end to end over the slot's bytes, one per shape."""
+        out, offset = [], 0
+        size = torch.empty((), dtype=dtype).element_size()
+        for shape in shapes:
+            n = size
+            for s in shape:
+                n *= s
+            out.append(self.data[offset : offset + n].view(dtype).view(shape))
+            offset += n
+        return out
+
+
+class Prefetcher:
+    def __init__(self):
+        self.layers: dict[int, weakref.ref] = {}
+        self.order: list[tuple[int, int]] = []  # (model layer index, key), sorted
+        self.slots: list[Slot] = []
+        self.mirrors: dict[int, Mirror] = {}  # layer key -> its mirror, while fetched
+        self.current: int | None = None
+        self.stream = None  # side CUDA stream, made at the first CUDA fetch
+        self._next_key = 0
+        self.bytes_h2d = 0
+        self.bytes_d2h = 0
+        self.fetches = 0
+        self.side_fetches = 0
+        self.host_waits = 0
+
+    # -- registry ---------------------------------------------------------------------------
+    def register(self, layer, index: int) -> int:
+        key, self._next_key = self._next_key, self._next_key + 1
+        self.layers[key] = weakref.ref(layer)
+        self.order = sorted([*self.order, (index, key)])
+        return key
+
+    def unregister(self, layer) -> None:
+        self.evict(layer)
+        self.layers.pop(layer.key, None)
+        self.order = [(i, k) for i, k in self.order if k != layer.key]
+
+    # -- the schedule -----------------------------------------------------------------------
+    def acquire(self, layer, room: int = 0) -> Mirror:
+        """``layer`` is in use now: its mirror is ready on the compute stream; fetch ahead."""
+        mirror = self.mirrors.get(layer.key)
+        if self.current == layer.key and mirror is not None:
+            return mirror
+        wanted = [layer, *self._ahead(layer)]
+        keep = {w.key for w in wanted}
+        for slot in self.slots:
+            if slot.owner is not None and slot.owner not in keep:
+                self._release(slot)
+        if layer.key not in self.mirrors:
+            self._fetch(layer, room)
+        mirror = self.mirrors[layer.key]
+        self.current = layer.key
+        self._wait(mirror.slot)
+        for nxt in wanted[1:]:
+            if nxt.key not in self.mirrors:
+                try:
+                    self._fetch(nxt, 1)
+                except CacheError:
+                    break  # fetching ahead is optional: that layer is fetched (or reports) when used
+        return mirror
+
+    def mirror(self, layer) -> Mirror | None:
+        """The layer's mirror now, if it is fetched (nothing is fetched or waited for)."""
+        return self.mirrors.get(layer.key)
+
+    def prefetch(self, layer) -> None:
+        """Start fetching ``layer`` ahead of use, if a slot is free (never evicts)."""
+        if layer.key not in self.mirrors and any(s.owner is None for s in self.slots):
+            try:
+                self._fetch(layer, 1)
+            except CacheError:
+                pass  # optional, as above
+
+    def evict(self, layer) -> None:
+        """Forget the layer's mirror; wait for its fetch so its host copy may change."""
+        mirror = self.mirrors.get(layer.key)
+        if mirror is not None:
+            if mirror.slot.ready is not None:
+                mirror.slot.ready.synchronize()
+            self._release(mirror.slot)
+        if self.current == layer.key:
+            self.current = None
+
+    def reserve(self, mirror: Mirror, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Room in ``mirror`` (acquired, in use) for the tokens of ``key`` / ``value`` after the
+        held ones: slide the held tokens to the front, or move them to fresh, larger slot bytes
+        (compute stream). Raises ``CacheError`` (device memory) before anything changes."""
+        t = key.shape[2]
+        if mirror.has_room(t):
+            return
+        need = mirror.held + t
+        if mirror.k is not None and need <= mirror.capacity:
+            mirror.slide()
+            return
+        cap = mirror_capacity(need, mirror.pad)
+        old = mirror.kv() if mirror.held else None
+        nbytes = layout_bytes(key, value, cap)
+        slot = mirror.slot
+        if old is not None or nbytes > slot.nbytes():
+            slot.data = self._alloc(nbytes, key.device)  # fresh bytes: `old` stays valid
+        mirror.relayout(cap, key, value, old)
+
+    def stats(self) -> dict[str, int]:
+        """The counters (see the module docstring), by name."""
+        return {name: getattr(self, name) for name in COUNTERS}
+
+    def count_host_wait(self) -> None:
+        self.host_waits += 1
+
+    def side_stream(self, device) -> "torch.cuda.Stream":
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        return self.stream
+
+    def count_d2h(self, nbytes: int) -> None:
+        self.bytes_d2h += nbytes
+
+    # -- accounting and lifetime ------------------------------------------------------------
+    def nbytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for slot in self.slots:
+            if slot.data is not None:
+                place = place_of(slot.data.device)
+                out[place] = out.get(place, 0) + slot.nbytes()
+        return out
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+        for slot in self.slots:
+            self._release(slot)
+        self.slots = []
+        self.mirrors = {}
+        self.current = None
+
+    # -- internals --------------------------------------------------------------------------
+    def _ahead(self, layer) -> list:
+        """The next ``layer.depth`` live offloaded layers after ``layer``, wrapping around."""
+        keys = [k for _, k in self.order if self.layers.get(k) is not None and self.layers[k]() is not None]
+        if layer.key not in keys or layer.depth <= 0:
+            return []
+        at = keys.index(layer.key)
+        ahead = [keys[(at + j) % len(keys)] for j in range(1, min(layer.depth, len(keys) - 1) + 1)]
+        return [self.layers[k]() for k in ahead]
+
+    def _release(self, slot: Slot) -> None:
+        mirror = self.mirrors.pop(slot.owner, None) if slot.owner is not None else None
+        if mirror is not None:
+            mirror.invalidate()
+        slot.owner = None
+        if slot.data is not None and slot.data.is_cuda:
+            slot.release = torch.cuda.Event()
+            slot.release.record(torch.cuda.current_stream(slot.data.device))
+
+    def _fetch(self, layer, room: int) -> None:
+        slot = next((s for s in self.slots if s.owner is None), None) or Slot()
+        p = plan(layer.host_kv(), room, layer.pad)  # host_kv may raise CacheError (a failed write-back)
+        fresh = p is not None and p.nbytes > slot.nbytes()
+        if fresh:  # may raise CacheError: then no slot is taken and nothing has changed
+            slot.data = self._alloc(p.nbytes, layer.device)  # the old bytes are not needed
+        if slot not in self.slots:
+            self.slots.append(slot)
+        slot.owner = layer.key
+        mirror = self.mirrors[layer.key] = Mirror(slot, layer.pad)
+        with self._side(slot, fresh):
+            moved = mirror.fill(p)
+        self.bytes_h2d += moved
+        self.fetches += 1
+
+    @contextlib.contextmanager
+    def _side(self, slot: Slot, fresh: bool):
+        """Run the enclosed copies on the side stream, ordered after the slot's release.
+
+        Memory just allocated on the compute stream may have been freed there by work still
+        queued: then the side stream waits for everything the compute stream has so far."""
+        if slot.data is None or not slot.data.is_cuda:
+            slot.ready = None
+            yield
+            return
+        device = slot.data.device
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        if fresh:
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+        elif slot.release is not None:
+            self.stream.wait_event(slot.release)
+        with torch.cuda.stream(self.stream):
+            yield
+        slot.ready = torch.cuda.Event()
+        slot.ready.record(self.stream)
+        self.side_fetches += 1
+
+    def _wait(self, slot: Slot) -> None:
+        if slot.ready is not None and slot.data is not None and slot.data.is_cuda:
+            torch.cuda.current_stream(slot.data.device).wait_event(slot.ready)
+
+    def _alloc(self, nbytes: int, device) -> torch.Tensor:
+        nbytes = -(-nbytes // ALIGN) * ALIGN if torch.device(device).type == "cuda" else nbytes
+        try:
+            data = torch.empty(nbytes, dtype=torch.uint8, device=device)  # on the compute stream
+        except RuntimeError as e:  # torch.OutOfMemoryError is one
+            raise CacheError(
+                f"offload: cannot allocate {nbytes} bytes on {device} for a layer's device copy: {e}; "
+                "free device memory or lower offload.prefetch (the layer is unchanged)"
+            ) from e
+        if data.is_cuda:
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(data.device)
+            data.record_stream(self.stream)
+        return data

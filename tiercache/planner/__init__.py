@@ -1,0 +1,17 @@
+"""The planner: what a policy costs before it runs.
+
+Modules: ``api`` (``plan``, ``choose``, ``main_plan``: the entry points), ``concrete`` (the per-layer
+plan of one concrete policy and ``Plan``), ``resolve`` (a model name, a built-in model or a
+config.json -> ``ModelSpec``), ``footprint`` (bytes of one layer's chain per tier), ``ladder``
+(``auto``: the least lossy rung that fits), ``run`` / ``whole`` / ``activations`` / ``weights`` (the
+whole footprint of a run: weights, activations, growth), ``table`` (the text table), ``units``
+(byte formatting), ``hostmem`` (the host's free memory). Torch-only; no transformers import.
+"""
+
+
+def __getattr__(name):
+    if name in ("plan", "Plan", "choose"):
+        from tiercache.planner.api import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'tiercache.planner.api' has no attribute {name!r}")

@@ -1,0 +1,120 @@
+"""Planner: the bytes a policy's cache will hold on each tier, and whether that fits its budget.
+
+Interface
+    plan(policy, model, batch_size=1, context_length=4096, encoder_length=None) -> Plan
+        ``policy``: a Policy, YAML path or dict; ``model``: a ModelSpec, a transformers config,
+        a preset name or a local path (``resolve_model``). An ``auto: true`` policy is first
+        resolved by the candidate ladder (``tiercache.planner.ladder``); the Plan then carries every rung.
+        Encoder-decoder models: ``context_length`` is the decoder's tokens (self-attention);
+        ``encoder_length`` the encoder output's, whose cross-attention K/V every decoder layer
+        holds (``policy.cross_attention``, ``TieredCache.for_encoder_decoder``). Without it the
+        cross-attention is not counted (the table says so).
+    choose(policy, model, batch, context) -> Policy
+        the concrete policy an ``auto`` policy stands for (``TieredCache.from_policy`` calls it).
+    resolve_model(name_or_path) -> ModelSpec
+    local_config(name_or_path) -> config | None
+        a built-in model's or a local config.json's config (what ``resolve_model`` and the whole
+        footprint's shapes both read); None for a preset or a hub id
+    main_plan(policy_path, model, context, batch, out, err, encoder_length, **run) -> exit code (the
+        ``tiercache plan`` CLI; ``run``: ``weights``, ``device``, ``prefill_chunk``, ``runtime`` as
+        ``plan`` takes them)
+
+Plan
+    .bytes       {"device", "host", "disk"}: bytes *held* once ``context_length`` tokens are in
+                 the cache: what ``TieredCache.nbytes()`` reports (allocated, chunk-rounded),
+                 the shared buffers (offload mirrors, dequantization workspace) included.
+    .workspace   the part of ``.bytes["device"]`` that is the quantized layers' shared
+                 dequantization workspace: the full-precision K/V one decode step returns for
+                 the largest layer (``tiercache.planner.footprint.workspace_bytes``).
+    .whole       the whole footprint of a run (``tiercache.planner.whole``): weights, cache, growth,
+                 activations of one prefill chunk, runtime, margin, line by line per tier;
+                 ``.prefill_chunk`` the chunk size it was planned with.
+    .fits        every tier named in ``policy.budget`` holds what the budget counts: with
+                 ``budget.scope: cache`` (the default) the cache's bytes (``.bytes``, workspace
+                 and mirrors included); with ``scope: total`` the whole footprint's total.
+                 True when there is no budget.
+    .layers      one LayerRow per layer; ``.rungs`` (auto only) one Rung per ladder candidate.
+    .cross_layers  encoder-decoder with ``encoder_length``: one LayerRow per cross-attention
+                 layer (the ``cross_attention_cache`` half); their bytes, device mirrors and
+                 workspace (that half has its own) are in ``.bytes``, ``.mirrors``, ``.workspace``.
+    .table()     the human-readable report.
+
+Comparing with a real cache: ``tier_bytes(cache.nbytes(), device)`` maps places to tiers (the
+compute device's place -> device, ``cpu`` -> host, ``disk`` -> disk). On a CPU-only run the
+device *is* ``cpu``, so device and host bytes share one place there; compare their sum, or
+report host-tier allocations under their own name (the tests patch ``HostTier.place``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tiercache.errors import PolicyError
+from tiercache.models.spec import ModelSpec
+from tiercache.planner.concrete import LayerRow, Plan, budget_text, bytes_text, check_sizes, plan_concrete, tier_bytes
+from tiercache.planner.resolve import local_config, resolve_model
+from tiercache.planner.units import human
+from tiercache.policy.schema import Policy, load_policy
+
+__all__ = ["Plan", "LayerRow", "plan", "choose", "resolve_model", "local_config", "main_plan", "tier_bytes", "human",
+           "check_sizes", "plan_concrete"]
+
+
+def plan(policy, model, batch_size: int = 1, context_length: int = 4096, encoder_length: int | None = None, *,
+         weights: str | None = None, device: str = "cuda", prefill_chunk: int | None = None,
+         runtime: int | None = None) -> Plan:
+    """``model`` may also be a loaded ``torch.nn.Module`` (its parameters are counted exactly).
+    ``encoder_length``: an encoder-decoder model's encoder tokens (its cross-attention K/V are
+    counted, in ``.cross_layers``, ``.bytes`` and the whole footprint's cache line).
+    ``weights``: the weights' format (``tiercache.planner.weights.FORMATS``; default the model's dtype);
+    ``device``: ``cuda`` or ``cpu`` (the attention kernel and the runtime line); ``prefill_chunk``:
+    default the largest of ``activations.CHUNKS`` that fits a ``scope: total`` budget, else 2048;
+    ``runtime``: the runtime baseline in bytes (default ``whole.RUNTIME``)."""
+    from tiercache.planner.run import RunSpec
+
+    policy = load_policy(policy)
+    run = RunSpec.of(model, weights, device, prefill_chunk, runtime)
+    spec = model if isinstance(model, ModelSpec) else (
+        resolve_model(model) if isinstance(model, (str, Path)) else ModelSpec.from_config(
+            model.config if hasattr(model, "parameters") and hasattr(model, "config") else model))
+    check_sizes(batch_size, context_length)
+    if encoder_length is not None:
+        check_sizes(batch_size, encoder_length, "encoder_length")
+        if not spec.cross_attention:
+            raise PolicyError(f"plan: encoder_length is for encoder-decoder models; {spec.name} is decoder-only "
+                              "(no cross-attention to count)")
+    if policy.auto:
+        from tiercache.planner.ladder import walk
+
+        return walk(policy, spec, batch_size, context_length, encoder_length, run)
+    return plan_concrete(policy, spec, batch_size, context_length, encoder_length, run)
+
+
+def choose(policy, model, batch: int = 1, context: int = 4096) -> Policy:
+    """The concrete policy an auto policy resolves to; PolicyError when no rung fits."""
+    p = plan(policy, model, batch, context)
+    if not p.fits:
+        raise PolicyError(
+            f"policy.budget: no candidate of the auto ladder fits {budget_text(p.budget)} for "
+            f"{p.model.name} at batch {batch}, context {context}; the smallest reachable is "
+            f"{p.policy.name} with {bytes_text(p)}"
+        )
+    return p.policy
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+def main_plan(policy_path: str, model: str, context: int, batch: int, out=None, err=None,
+              encoder_length: int | None = None, **run) -> int:
+    """``tiercache plan``: print the table (``out``, default stdout); 0 when it fits, 1 when it does
+    not or on error (``tiercache plan: error: ...`` on ``err``, default stderr)."""
+    out = out if out is not None else sys.stdout  # looked up per call: sys.stdout may be replaced
+    err = err if err is not None else sys.stderr
+    try:
+        p = plan(load_policy(policy_path), model, batch, context, encoder_length, **run)
+    except PolicyError as e:
+        print(f"tiercache plan: error: {e}", file=err)
+        return 1
+    print(p.table(), file=out)
+    return 0 if p.fits else 1

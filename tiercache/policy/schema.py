@@ -1,0 +1,297 @@
+"""Policies: frozen dataclasses; YAML and dicts are only their serialisation.
+
+One generic loader (``tiercache.policy.fields.build``) walks the dataclass fields and their type hints, so no field is
+restated anywhere: every bad input raises ``PolicyError`` with the field path, the value and
+what is allowed. ``Policy.resolve(model)`` applies overrides and returns one ``LayerPolicy`` per
+model layer, checking the policy against that model (indices in range, known layer types).
+
+Choices where DESIGN.md is silent
+- An override's ``quantize`` mapping is merged over the top-level ``quantize`` (so
+  ``{bits: 2}`` changes only the bits); ``null`` turns it off; an absent key leaves it as is.
+- Sliding-window layers are never offloaded unless an override names them (by index or by
+  ``layer_type``) with an ``offload`` section: they are small, and offloading them is slower.
+- ``offload.path`` defaults to the system temp directory for ``device: disk``.
+- ``bits: 8`` with ``format: fp8`` selects e4m3 floating point (native backend only).
+- ``key_gain`` (default 1.0: off) multiplies the keys attention reads of the packed tokens (not
+  the sinks, not the residual): a quantized context loses attention against the exact tokens,
+  which a gain above 1 gives back (README, "A gain on the quantized keys"). A number in (0, 4].
+- ``cross_attention`` (encoder-decoder models, ``tiercache.cache.cross_attention``): its own ``quantize``
+  / ``offload``, not merged with the top-level ones; omitted means full precision on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from tiercache.errors import PolicyError
+from tiercache.policy.fields import UNSET, Size, build, to_plain
+
+
+MAX_KEY_GAIN = 4.0  # QuantizePolicy.key_gain: beyond a few tenths above 1 attention is only sharpened
+
+
+@dataclass(frozen=True)
+class QuantizePolicy:
+    backend: Literal["native", "quanto", "hqq"] = "native"
+    bits: int = 4
+    group_size: int = 64
+    residual_length: int = 128
+    key_axis: Literal["channel", "token"] = "channel"
+    value_axis: Literal["channel", "token"] = "token"
+    format: Literal["int", "fp8"] = "int"
+    sink_tokens: int = 0  # the first tokens seen stay in full precision (attention sinks); full-attention layers
+    clip: Literal["minmax", "mse", "mse-values", "mse-keys"] = "minmax"  # per-group range: min/max, or searched for
+    # least squared error (mse: keys and values; mse-values / mse-keys: that tensor only, the other min/max)
+    key_bits: int | None = None  # the keys' bits when not ``bits`` (keys are the sensitive half: e.g. 4 on a few layers)
+    value_bits: int | None = None  # the values' bits when not ``bits``
+    meta_bits: int | None = None  # each group's scale and offset: None in the model dtype; 8 as one byte each
+    # on grids of the block (quantize/metacodes.py): 0.27 bits per element for groups of 64 instead of 0.5 in bf16
+    key_gain: float = 1.0  # attention reads the packed keys times this (1.0: as given); no bytes, no cost per step
+
+    def bits_of(self, which: str) -> int:
+        """Bits of ``"keys"`` or ``"values"``: ``key_bits`` / ``value_bits``, else ``bits``."""
+        own = self.key_bits if which == "keys" else self.value_bits
+        return self.bits if own is None else own
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    device: Literal["cpu", "disk"] = "cpu"
+    prefetch: int = 1
+    pin_memory: bool = True
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class Override:
+    layers: tuple[int, ...] | None = None
+    layer_type: str | None = None
+    quantize: QuantizePolicy | None = UNSET
+    offload: OffloadPolicy | None = UNSET
+
+
+@dataclass(frozen=True)
+class CrossAttentionPolicy:
+    """Encoder-decoder models: how the cross-attention K/V (written once from the encoder output)
+    are kept. Its own section, not merged with the top-level ``quantize`` / ``offload``: omitted
+    (or ``null`` fields) means full precision on the compute device."""
+
+    quantize: QuantizePolicy | None = None
+    offload: OffloadPolicy | None = None
+
+
+@dataclass(frozen=True)
+class Budget:
+    device: Size | None = None
+    host: Size | None = None
+    disk: Size | None = None
+    scope: Literal["cache", "total"] = "cache"  # what a tier's size bounds: the cache, or the whole run (tiercache.planner.whole)
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    """What one model layer gets after overrides: the input of the chain builder and planner."""
+
+    index: int
+    layer_type: str
+    storage: str  # full | static | sliding
+    window: int | None
+    max_length: int | None
+    quantize: QuantizePolicy | None
+    offload: OffloadPolicy | None
+    kv_sharing: str | None = None  # the model's: None | "store" (return owned K/V) | "reuse" (never updated)
+
+
+KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str = "custom"
+    description: str = ""
+    storage: Literal["full", "static"] = "full"
+    max_length: int | None = None
+    quantize: QuantizePolicy | None = None
+    offload: OffloadPolicy | None = None
+    overrides: tuple[Override, ...] = ()
+    budget: Budget | None = None
+    auto: bool = False
+    cross_attention: CrossAttentionPolicy | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Policy":
+        if not isinstance(data, dict):
+            raise PolicyError(f"policy: expected a mapping of fields, got {type(data).__name__}")
+        data = _merge_override_quantize(data)
+        policy = build(cls, data, "policy")
+        policy._check()
+        return policy
+
+    def to_dict(self) -> dict:
+        return to_plain(self)
+
+    def _check(self) -> None:
+        if self.max_length is not None and self.max_length < 1:
+            raise PolicyError(f"policy.max_length: must be >= 1 (tokens) or null, got {self.max_length}")
+        if self.storage == "static" and self.max_length is None:
+            raise PolicyError("policy.max_length: storage 'static' needs max_length (tokens to preallocate), got null")
+        if self.auto and (self.budget is None or self.budget.device is None):
+            raise PolicyError("policy.budget.device: auto: true needs a device budget to fit, got none")
+        for i, q in _quantize_sections(self):
+            _check_quantize(q, i)
+        for i, o in _offload_sections(self):
+            _check_offload(o, i)
+        for i, o in enumerate(self.overrides):
+            where = f"policy.overrides[{i}]"
+            if (o.layers is None) == (o.layer_type is None):
+                raise PolicyError(f"{where}: give exactly one of 'layers' (indices) or 'layer_type', got {to_plain(o)}")
+            if o.layers is not None and not o.layers:
+                raise PolicyError(f"{where}.layers: an empty list names no layer; give indices such as [0, -1]")
+            if o.layer_type is not None and o.layer_type not in KNOWN_LAYER_TYPES:
+                raise PolicyError(f"{where}.layer_type: unknown layer type {o.layer_type!r}; allowed: {', '.join(KNOWN_LAYER_TYPES)}")
+
+    def resolve(self, model) -> list[LayerPolicy]:
+        """One LayerPolicy per layer of ``model`` (a ``ModelSpec``), overrides applied in order."""
+        n = model.num_layers
+        for i, o in enumerate(self.overrides):
+            for idx in o.layers or ():
+                if not -n <= idx < n:
+                    raise PolicyError(f"policy.overrides[{i}].layers: index {idx} is out of range for a model with {n} layers; allowed: {-n}..{n - 1}")
+            if o.layer_type is not None and o.layer_type not in model.layer_types:
+                raise PolicyError(
+                    f"policy.overrides[{i}].layer_type: {o.layer_type!r} is not a layer type of this model; "
+                    f"it has: {', '.join(sorted(set(model.layer_types)))}"
+                )
+        out = []
+        for idx, layer_type in enumerate(model.layer_types):
+            sliding = layer_type != "full_attention"
+            quantize, offload = self.quantize, (None if sliding else self.offload)
+            for o in self.overrides:
+                named = o.layer_type == layer_type if o.layer_type is not None else idx in {j % n for j in o.layers}
+                if not named:
+                    continue
+                if o.quantize is not UNSET:
+                    quantize = o.quantize
+                if o.offload is not UNSET:
+                    offload = o.offload
+            storage = "sliding" if sliding else self.storage
+            window = model.window(idx)
+            out.append(LayerPolicy(idx, layer_type, storage, window, self.max_length, quantize, offload,
+                                   model.kv_sharing(idx)))
+        return out
+
+
+def load_policy(source: "str | Path | dict | Policy") -> Policy:
+    """A Policy from a YAML path, a dict or a Policy (returned as is)."""
+    if isinstance(source, Policy):
+        return source
+    if isinstance(source, dict):
+        return Policy.from_dict(source)
+    if not isinstance(source, (str, Path)):
+        raise PolicyError(f"a policy is a YAML file path, a dict or a Policy; got {type(source).__name__} {source!r}")
+    import yaml
+
+    path = Path(source)
+    if path.is_dir():
+        raise PolicyError(f"policy file {str(path)!r} is a directory; give a YAML file (e.g. configs/default.yaml)")
+    if not path.is_file():
+        raise PolicyError(f"policy file {str(path)!r} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PolicyError(f"policy file {str(path)!r} cannot be read as UTF-8 text: {e}") from e
+    try:
+        data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise PolicyError(f"policy file {str(path)!r} is not valid YAML: {e}") from e
+    return Policy.from_dict(data if data is not None else {})
+
+
+def _unique_key_loader():
+    """A yaml SafeLoader that refuses a key given twice in one mapping (YAML would keep the last)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    hash(key)
+                except TypeError:
+                    continue  # the base loader refuses an unhashable key with its own message
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice in one mapping; keep one", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
+
+
+def _merge_override_quantize(data: dict) -> dict:
+    base = data.get("quantize")
+    overrides = data.get("overrides")
+    if not isinstance(base, dict) or not isinstance(overrides, list):
+        return data
+    merged = []
+    for o in overrides:
+        if isinstance(o, dict) and isinstance(o.get("quantize"), dict):
+            o = {**o, "quantize": {**base, **o["quantize"]}}
+        merged.append(o)
+    return {**data, "overrides": merged}
+
+
+def _quantize_sections(p: Policy):
+    if p.quantize is not None:
+        yield "policy.quantize", p.quantize
+    for i, o in enumerate(p.overrides):
+        if o.quantize not in (None, UNSET):
+            yield f"policy.overrides[{i}].quantize", o.quantize
+    if p.cross_attention is not None and p.cross_attention.quantize is not None:
+        yield "policy.cross_attention.quantize", p.cross_attention.quantize
+
+
+def _offload_sections(p: Policy):
+    if p.offload is not None:
+        yield "policy.offload", p.offload
+    for i, o in enumerate(p.overrides):
+        if o.offload not in (None, UNSET):
+            yield f"policy.overrides[{i}].offload", o.offload
+    if p.cross_attention is not None and p.cross_attention.offload is not None:
+        yield "policy.cross_attention.offload", p.cross_attention.offload
+
+
+def _check_quantize(q: QuantizePolicy, where: str) -> None:
+    for name in ("group_size", "residual_length", "sink_tokens"):
+        v = getattr(q, name)
+        if v < (1 if name == "group_size" else 0):
+            raise PolicyError(f"{where}.{name}: must be {'>= 1' if name == 'group_size' else '>= 0'}, got {v}")
+    from tiercache.quantize.backends import validate
+
+    validate(q, where)
+    if q.meta_bits is not None and (q.meta_bits != 8 or q.backend != "native" or q.format != "int"):
+        raise PolicyError(f"{where}.meta_bits: allowed values are null (scales and offsets in the model dtype) and 8 "
+                          f"(one byte each, backend native, format int); got meta_bits {q.meta_bits!r} with backend "
+                          f"{q.backend!r}, format {q.format!r}")
+    if not (isinstance(q.key_gain, (int, float)) and not isinstance(q.key_gain, bool)
+            and 0 < q.key_gain <= MAX_KEY_GAIN):  # NaN fails both comparisons
+        raise PolicyError(f"{where}.key_gain: allowed values are numbers in (0, {MAX_KEY_GAIN:g}] (1.0: the keys as "
+                          f"given); got {q.key_gain!r}")
+    for name, which in (("key_bits", "keys"), ("value_bits", "values")):
+        if getattr(q, name) is not None:  # the tensor's own bits, checked as the backend's bits
+            validate(dataclasses.replace(q, bits=q.bits_of(which)), f"{where}.{name}")
+
+
+def _check_offload(o: OffloadPolicy, where: str) -> None:
+    if o.prefetch < 0:
+        raise PolicyError(f"{where}.prefetch: must be >= 0 (layers fetched ahead), got {o.prefetch}")
+    if o.path is not None and o.device != "disk":
+        raise PolicyError(f"{where}.path: only used with device: disk, got device {o.device!r}")
+    if o.path is not None and not o.path.strip():
+        raise PolicyError(f"{where}.path: an empty path; give a directory for the cache files, or omit it for "
+                          "the system temp directory")

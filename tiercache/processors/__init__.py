@@ -1,1 +1,0 @@
-"""Processors: layers that wrap a layer (``quantize``, ``offload``)."""
