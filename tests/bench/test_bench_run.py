@@ -183,3 +183,19 @@ def test_the_memory_pass_sees_what_a_step_allocates():
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     one_layer_fp = 2 * model.config.num_key_value_heads * 200 * head_dim * 4
     assert out["peak"] - out["held_before_decode"] >= one_layer_fp
+
+
+def test_the_demo_set_shows_the_trade_off_at_the_default_context():
+    """At the demo's default prompt on the tiny model, int4 holds fewer bytes than full precision and
+    int2 fewer than int4 (at 1k the residual window and the workspace hid the difference)."""
+    import tiercache
+    from tiercache.bench.command import parser
+    from tiercache.models.registry import config
+
+    context = parser().parse_args([]).context
+    assert context >= 8192
+    held = {}
+    for source in setups.demo_policies():
+        policy = tiercache.load_policy(source)
+        held[policy.name] = sum(tiercache.plan(policy, config("tiny"), 1, context).bytes.values())
+    assert held["int2-all"] < held["int4-kivi"] < 0.5 * held["default"], held

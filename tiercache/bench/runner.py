@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from tiercache.bench import quality
-from tiercache.bench.setups import Setup, cache_nbytes
+from tiercache.bench.setups import Setup, cache_nbytes, cache_tensors
 
 WARMUP_PROMPT, WARMUP_STEPS = 256, 4
 PREFILL_CHUNK = 512  # the memory pass prefills in chunks: activations of one chunk, not of the prompt
@@ -106,9 +106,10 @@ def _failed(row: dict, e: Exception) -> None:
 def _footprint(setup: Setup, model, prompt: torch.Tensor, steps: int) -> dict:
     """The setup's memory, measured alone: a fresh cache holding ``prompt`` (prefilled in chunks of
     ``PREFILL_CHUNK`` so that the prompt's activations do not hide the cache), then ``steps``
-    decode steps under an ``AllocationMeter``. ``peak``: the cache's bytes before the steps plus
-    the most extra tensor memory the steps needed at once (its growth, a dequantization
-    workspace, the temporaries of a cache that dequantizes its history per step)."""
+    decode steps under an ``AllocationMeter`` that watches the cache's own tensors (one the cache
+    frees, say an outgrown buffer, counts as given back). ``peak``: the cache's bytes before the
+    steps plus the most extra tensor memory the steps needed at once (its growth, a dequantization
+    workspace, the temporaries of a cache that dequantizes or concatenates its history per step)."""
     from tiercache.lifecycle.meter import AllocationMeter
 
     cache = setup.make()
@@ -118,7 +119,7 @@ def _footprint(setup: Setup, model, prompt: torch.Tensor, steps: int) -> dict:
     _sync(model.device)
     held = sum(cache_nbytes(cache).values())
     nxt = logits.argmax(-1, keepdim=True)  # [1, 1]
-    with AllocationMeter() as meter:
+    with AllocationMeter(watch=cache_tensors(cache)) as meter:  # a buffer the cache replaces counts as freed
         for _ in range(steps):
             nxt = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         _sync(model.device)

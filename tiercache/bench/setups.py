@@ -5,8 +5,8 @@ Interface
   setup cannot run here; ``note`` says why). ``kind`` is ``"tiercache"`` or ``"transformers"``.
 - ``policy_setups(sources, config) -> list[Setup]``: one per policy (YAML path, dict or
   ``Policy``); a policy that fails to load becomes a row with a note, not a crash.
-- ``demo_policies() -> list``: the demo set (full precision, int4 KIVI, int2 KIVI, offloaded to
-  CPU): ``configs/<name>.yaml`` when it exists, else an equivalent inline dict.
+- ``demo_policies() -> list``: the demo set (full precision, int4 KIVI, int2 KIVI on every layer,
+  offloaded to CPU): ``configs/<name>.yaml`` when it exists, else the inline dict.
 - ``baseline_setups(names, config, device) -> list[Setup]``: ``BASELINES`` by name
   (``dynamic``, ``dynamic-offload`` (CUDA only), ``quanto-int4``, ``quanto-int2``, ``hqq-int4``,
   ``hqq-int2``); ``DEFAULT_BASELINES`` is what runs when none are named.
@@ -25,6 +25,7 @@ Interface
 - ``cache_nbytes(cache) -> {place: bytes}``: ``cache.nbytes()`` for tiercache; for other caches
   the bytes of every tensor held by its layers, quantized storage included (tensor subclasses such
   as quanto's are walked through ``__tensor_flatten__``; shared storage is counted once).
+- ``cache_tensors(cache) -> [Tensor]``: those tensors themselves (what a memory meter watches).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ DEMO = [
     ("default", {"name": "default", "description": "full precision, resident (the reference)"}),
     ("int4-kivi", {"name": "int4-kivi", "description": "int4 KIVI: keys per channel, values per token",
                    "quantize": {**KIVI, "bits": 4}}),
-    ("int2-kivi", {"name": "int2-kivi", "description": "int2 KIVI: keys per channel, values per token",
-                   "quantize": {**KIVI, "bits": 2}}),
+    # every layer at int2 (configs/int2-kivi.yaml keeps the first and last layers at int4, which on the
+    # tiny model's four layers would leave int2 with int4's bytes)
+    ("int2-all", {"name": "int2-all", "description": "int2 KIVI on every layer: keys per channel, values per token",
+                  "quantize": {**KIVI, "bits": 2}}),
     ("offload-cpu", {"name": "offload-cpu", "description": "full precision, offloaded to CPU memory",
                      "offload": {"device": "cpu", "prefetch": 1, "pin_memory": True}}),
 ]
@@ -168,13 +171,25 @@ def cache_nbytes(cache) -> dict[str, int]:
     if hasattr(cache, "nbytes") and callable(cache.nbytes):
         return {str(k): int(v) for k, v in cache.nbytes().items()}
     out: dict[str, int] = {}
+    for t in cache_tensors(cache):
+        out[str(t.device)] = out.get(str(t.device), 0) + t.numel() * t.element_size()
+    return out
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """The plain tensors a cache holds now, each once: a TieredCache's state and shared buffers; for
+    transformers' caches every tensor its layers hold (tensor subclasses walked through
+    ``__tensor_flatten__``; a tensor shared between two places counted once)."""
+    if hasattr(cache, "state_dict") and hasattr(cache, "shared_buffers"):
+        return [t for t in (*cache.state_dict().values(), *cache.shared_buffers()) if isinstance(t, torch.Tensor)]
+    out: list[torch.Tensor] = []
     seen: set = set()
     for layer in getattr(cache, "layers", []):
         _walk(vars(layer), out, seen)
     return out
 
 
-def _walk(obj, out: dict, seen: set) -> None:
+def _walk(obj, out: list, seen: set) -> None:
     if isinstance(obj, torch.Tensor):
         if type(obj) not in (torch.Tensor, torch.nn.Parameter) and hasattr(obj, "__tensor_flatten__"):
             for name in obj.__tensor_flatten__()[0]:  # quanto: _data (packed), _scale, _shift
@@ -183,7 +198,7 @@ def _walk(obj, out: dict, seen: set) -> None:
         key = (obj.data_ptr(), obj.numel(), obj.dtype, str(obj.device))
         if obj.numel() and key not in seen:
             seen.add(key)
-            out[str(obj.device)] = out.get(str(obj.device), 0) + obj.numel() * obj.element_size()
+            out.append(obj)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             _walk(v, out, seen)
