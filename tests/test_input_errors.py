@@ -207,7 +207,7 @@ def test_a_static_overflow_is_refused_before_the_first_layer_writes(quantize):
     # Gemma 2: layer 0 slides (never full), layer 1 is static. The forward used to write the new
     # tokens into layer 0 before layer 1 refused them: after the error get_seq_length() said 18
     # while the static layer held 15, so the next forward ran at the wrong positions.
-    import models
+    import builders as models
 
     model = models.build("gemma2")
     cache = TieredCache.from_policy({"storage": "static", "max_length": 16, "quantize": quantize}, model.config)

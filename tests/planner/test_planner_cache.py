@@ -193,7 +193,7 @@ def test_the_plan_matches_a_cache_after_retier_load_or_fork(name, how, monkeypat
 def test_offloaded_sliding_layers_planned_after_a_long_prompt(family, prompt, steps):
     """Offloaded sliding layers given a prompt longer than their window's mirror: the device
     mirrors stay at what the plan counts (a long update is answered in fresh tensors)."""
-    import models
+    import builders as models
 
     model = models.build(family)
     pol = {"name": "offload-sliding", "offload": {"device": "cpu"},
