@@ -236,7 +236,7 @@ def test_demoted_conversations_come_back_exact(tiny, tmp_path):
         w.stop()
 
 
-def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_dropped(tiny, tmp_path, caplog):
+def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_refused(tiny, tmp_path, caplog):
     from tiercache.serve.persist import load_entries, save_entries
 
     model, codec = tiny
@@ -252,12 +252,13 @@ def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_dropped(tiny, 
     raw = bytearray(files[1].read_bytes())
     raw[-10] ^= 0xFF  # flip a byte of the last tensor
     files[1].write_bytes(bytes(raw))
-    (tmp_path / "p" / "entry-junk.tiercache").write_bytes(b"not a cache")
+    (tmp_path / "p" / "entry-junk.tiercache").write_bytes(b"not a cache")  # named by no manifest: not loaded
     w2 = make_worker(tiny)
     with caplog.at_level("ERROR", logger="tiercache.serve"):
-        assert load_entries(w2.store, tmp_path / "p", model.config, codec.vocab_size) == 2
-    assert sum("persist: dropping" in r.message for r in caplog.records) == 2
-    assert not files[1].exists() and len(list((tmp_path / "p").glob("*.tiercache"))) == 2
+        got = load_entries(w2.store, tmp_path / "p", model.config, codec.vocab_size)
+    assert got.count == 2 and got.refused == [files[1].name]
+    assert sum("persist: refusing" in r.message and "sha256" in r.message for r in caplog.records) == 1
+    assert files[1].exists()  # refused and kept: never deleted by a load
     for ids, cache, _ in w2.store.entries():
         assert ids in kept
         assert_kv_matches(model, ids, cache)
