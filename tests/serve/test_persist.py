@@ -166,3 +166,14 @@ def test_shutdown_saves_nothing_while_the_worker_is_still_running(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == manifest
     again = build("tiny-random", store=store_cfg, persist=tmp_path)[1]
     assert [tuple(ids) for ids, _, _ in again.store.entries()] == [tuple(stored)]
+
+
+def test_the_order_of_use_survives_a_restart(tiny, tmp_path):
+    """Reloaded under a budget that holds two of three, the two used last are the ones kept."""
+    model, _ = tiny
+    convs = [ids_of(60 + i, 20) for i in range(3)]  # stored in this order: the last one is the most recent
+    save_entries(store_of(model, convs), tmp_path)
+    one = filled(model, convs[0]).tier_nbytes()["device"]
+    store = PrefixStore([FULL], {"device": 2 * one}, lambda c: c.tier_nbytes(), block_size=8, min_match=4)
+    load_entries(store, tmp_path, model.config, 256)
+    assert [tuple(ids) for ids, _, _ in store.entries()] == [tuple(convs[1]), tuple(convs[2])]
