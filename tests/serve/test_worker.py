@@ -302,7 +302,7 @@ def test_a_failing_step_fails_only_its_request(tiny):
 
 def test_a_finished_request_is_stored_after_its_reservation_is_released(tiny):
     """An entry bigger than half the budget stays where it is: the request that made it has ended."""
-    w = make_worker(tiny, budget={"device": int(1.5 * MiB)})  # the entry (1 MiB) and its reservation (1 MiB) do not fit together
+    w = make_worker(tiny, budget={"device": int(1.5 * MiB)})  # the entry (1 MiB) and its reservation (1 MiB): 2 MiB
     w.start()
     try:
         p = ids_of(50, 30)

@@ -132,8 +132,8 @@ def test_shutdown_saves_nothing_while_the_worker_is_still_running(tmp_path):
 
     def serve_once(app, worker, prompt, block=None):
         done = threading.Event()
-        job = worker.prepare(parse_completion({"model": "tiny-random", "prompt": prompt, "max_tokens": 4,
-                                               "temperature": 0}), lambda kind, **d: kind in ("done", "error") and done.set())
+        request = parse_completion({"model": "tiny-random", "prompt": prompt, "max_tokens": 4, "temperature": 0})
+        job = worker.prepare(request, lambda kind, **d: kind in ("done", "error") and done.set())
 
         async def life():
             async with app.router.lifespan_context(app):
