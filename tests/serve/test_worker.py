@@ -220,23 +220,23 @@ def test_demoted_conversations_come_back_exact(tiny, tmp_path):
         for p in prompts:
             Call(w, p, 6).result()
         s = w.store.stats()
-        # device: one entry beside a request's reservation; host and disk: one each; the rest evicted
-        assert s["entries"] == {"device": 1, "host": 1, "disk": 1}, s
-        assert s["demotions"] == 5 and s["evictions"] == 1
+        # device: two entries (a request's reservation ends before its entry is stored); host and disk: one each
+        assert s["entries"] == {"device": 2, "host": 1, "disk": 1}, s
+        assert s["demotions"] == 3 and s["evictions"] == 0
         for ids, cache, rung in w.store.entries():
             twin = cache.fork()
             twin.retier(POLICY)
             assert_kv_matches(model, ids, twin)
-        # the conversation on disk (the second): promoted back, its next turn reuses it exactly
-        p = prompts[1] + firsts[1] + ids_of(99, 10)
+        # the conversation on disk (the first): promoted back, its next turn reuses it exactly
+        p = prompts[0] + firsts[0] + ids_of(99, 10)
         text, done = Call(w, p, 6).result()
-        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompts[1]) + len(firsts[1])
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompts[0]) + len(firsts[0])
         assert text == codec.decode(reference(model, p, 6))
     finally:
         w.stop()
 
 
-def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_dropped(tiny, tmp_path, caplog):
+def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_refused(tiny, tmp_path, caplog):
     from tiercache.serve.persist import load_entries, save_entries
 
     model, codec = tiny
@@ -252,12 +252,13 @@ def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_dropped(tiny, 
     raw = bytearray(files[1].read_bytes())
     raw[-10] ^= 0xFF  # flip a byte of the last tensor
     files[1].write_bytes(bytes(raw))
-    (tmp_path / "p" / "entry-junk.tiercache").write_bytes(b"not a cache")
+    (tmp_path / "p" / "entry-junk.tiercache").write_bytes(b"not a cache")  # named by no manifest: not loaded
     w2 = make_worker(tiny)
     with caplog.at_level("ERROR", logger="tiercache.serve"):
-        assert load_entries(w2.store, tmp_path / "p", model.config, codec.vocab_size) == 2
-    assert sum("persist: dropping" in r.message for r in caplog.records) == 2
-    assert not files[1].exists() and len(list((tmp_path / "p").glob("*.tiercache"))) == 2
+        got = load_entries(w2.store, tmp_path / "p", model.config, codec.vocab_size)
+    assert got.count == 2 and got.refused == [files[1].name]
+    assert sum("persist: refusing" in r.message and "sha256" in r.message for r in caplog.records) == 1
+    assert files[1].exists()  # refused and kept: never deleted by a load
     for ids, cache, _ in w2.store.entries():
         assert ids in kept
         assert_kv_matches(model, ids, cache)
@@ -295,3 +296,71 @@ def test_a_failing_step_fails_only_its_request(tiny):
         assert w.counters["failed"] == 1
     finally:
         w.stop()
+
+
+# -- the store keeps what fits (issue 32) -----------------------------------------------------------------
+
+def test_a_finished_request_is_stored_after_its_reservation_is_released(tiny):
+    """An entry bigger than half the budget stays where it is: the request that made it has ended."""
+    w = make_worker(tiny, budget={"device": int(1.5 * MiB)})  # the entry (1 MiB) and its reservation (1 MiB): 2 MiB
+    w.start()
+    try:
+        p = ids_of(50, 30)
+        Call(w, p, 6).result()
+        s = w.store.stats()
+        assert len(w.store) == 1 and s["evictions"] == 0 and s["entries"]["device"] == 1, s
+        assert s["reserved"]["device"] == 0
+        text, done = Call(w, p + reference(tiny[0], p, 6) + [7, 8, 9], 6).result()
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == 36
+    finally:
+        w.stop()
+
+
+def test_admission_does_not_count_the_entry_it_takes_out(tiny):
+    """The next turn's reservation covers the entry it continues: that entry is not also counted."""
+    model, codec = tiny
+    w = make_worker(tiny, budget={"device": int(2.5 * MiB)})
+    w.start()
+    try:
+        p = ids_of(51, 30)
+        first = reference(model, p, 6)
+        Call(w, p, 6).result()  # an entry of 1 MiB
+        p2 = p + first + ids_of(52, 250)  # 286 tokens + 6: a reservation of 2 MiB; with the entry, 3 MiB
+        text, done = Call(w, p2, 6).result()
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == len(p) + len(first)
+        assert text == codec.decode(reference(model, p2, 6))
+    finally:
+        w.stop()
+
+
+@pytest.mark.parametrize("policy", [
+    {"name": "int4", "quantize": {"backend": "native", "bits": 4, "group_size": 32, "residual_length": 32}},
+    {"name": "offload", "offload": {"device": "cpu", "prefetch": 1, "pin_memory": False}},
+], ids=["dequantization-workspace", "prefetch-slots"])
+def test_stored_entries_hold_no_transient_buffers(tiny, policy):
+    """A stored entry counts what it holds, not the workspace / slots it used while it was served."""
+    from tiercache.cache.tiered import TieredCache
+
+    model, _ = tiny
+    policy = load_policy(policy)
+    ids = ids_of(53, 100)
+    cache = TieredCache.from_policy(policy, model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), past_key_values=cache)
+    assert cache.shared_nbytes()  # serving it allocated its transient buffers
+    held = {t: n for t, n in cache.tier_nbytes().items()}
+    layers_only = sum(layer.tier_nbytes().get("device", 0) for layer in cache.layers)
+    store = PrefixStore([policy], {}, lambda c: c.tier_nbytes(), block_size=8, min_match=4)
+    store.put(ids, cache)
+    assert store.stats()["bytes"]["device"] == layers_only < held["device"]
+    assert cache.shared_nbytes() == {}
+    # taken out again, it continues exactly as a cache that never let them go
+    twin = TieredCache.from_policy(policy, model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), past_key_values=twin)
+    back, n = store.checkout(ids + [5, 6])
+    assert back is cache and n == 100
+    with torch.no_grad():
+        a = model(input_ids=torch.tensor([[5, 6]]), past_key_values=back).logits
+        b = model(input_ids=torch.tensor([[5, 6]]), past_key_values=twin).logits
+    torch.testing.assert_close(a, b, atol=0, rtol=0)

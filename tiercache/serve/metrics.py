@@ -9,7 +9,9 @@ Exported (prefix ``tiercache_``): ``store_hits_total``, ``store_misses_total``,
 ``store_budget_bytes{tier}``, ``store_demotions_total``, ``store_evictions_total``,
 ``queue_length``, ``active_requests``, ``requests_total``, ``failed_requests_total``,
 ``ttft_seconds`` and ``decode_tokens_per_second`` (histograms). Store and worker figures are
-read when scraped, so they are never stale. Each ``Metrics`` has its own registry.
+read when scraped, without a lock: the store's are the snapshot its last change published
+(``PrefixStore.stats``), so a scrape never waits for the worker inside a fork, crop or retier,
+and never stalls the event loop that streams the answers. Each ``Metrics`` has its own registry.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ class Sequence:
                 held = self.job.ids + self.generated
             except Exception:  # noqa: BLE001 - keep what is consistent
                 return cache.close()
-        self.w.store.put(held, cache)
+        self.w.store.put(held, cache, release=self.job.reservation)  # the reservation ends first
 
     def _discard(self) -> None:
         self.done = True

@@ -7,11 +7,13 @@
 hub id), on CUDA when present. ``--policy`` is the serving policy (rung 0; default full
 precision); ``--store`` the budget and ladder (``configs/serve/store.yaml``; default ``config.DEFAULT``);
 ``--no-store`` keeps nothing between requests; ``--persist DIR`` saves entries on shutdown and
-loads them (checked) on start.
+loads them (checked) on start (``tiercache.serve.persist``): ``close_store`` saves only once the
+worker's thread has ended, and keeps on disk what the start refused.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -45,14 +47,30 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
     worker = Worker(net, codec, serving, model_name=model, store=prefix_store, metrics=metrics, **options)
     metrics.attach(worker, prefix_store)
     shutdown = None
-    if persist is not None and prefix_store is not None:
-        from tiercache.serve.persist import load_entries, save_entries
+    if prefix_store is not None:
+        keep = ()
+        if persist is not None:
+            from tiercache.serve.persist import load_entries
 
-        load_entries(prefix_store, persist, net.config, codec.vocab_size, worker.device)
-        shutdown = lambda: save_entries(prefix_store, persist)  # noqa: E731
-    elif prefix_store is not None:
-        shutdown = prefix_store.close
+            keep = load_entries(prefix_store, persist, net.config, codec.vocab_size, worker.device).refused
+        shutdown = functools.partial(close_store, worker, prefix_store, persist, keep)
     return create_app(worker, metrics, on_shutdown=shutdown), worker
+
+
+def close_store(worker, store, persist=None, keep=()) -> None:
+    """After ``worker.stop()``: save the entries (``--persist``) and close the store, only once the
+    worker's thread has ended. If it is still inside a step, nothing is saved or closed: the
+    previous persisted set stays as it was (logged)."""
+    if not worker.stopped:
+        log.error("shutdown: the worker has not stopped; %s", "nothing saved, the previous persisted set is kept"
+                  if persist is not None else "the store is left as it is")
+        return
+    if persist is not None:
+        from tiercache.serve.persist import save_entries
+
+        save_entries(store, persist, keep)
+    else:
+        store.close()
 
 
 def main(args) -> int:

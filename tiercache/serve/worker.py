@@ -6,7 +6,7 @@
     job = worker.prepare(request, emit)    # tokenize and check (APIError 400/404), no model work
     worker.submit(job)                     # APIError 429 (with Retry-After) when the queue is full
     job.cancel()                           # the client went away: stops at the next token
-    worker.stop()
+    worker.stop() -> bool                  True once the thread has ended (``worker.stopped``)
 
 ``emit(kind, **data)`` is called on the worker thread: ``("delta", text=...)``, then
 ``("done", finish_reason=..., usage=...)``, or ``("error", error=APIError)``.
@@ -15,8 +15,10 @@ Scheduling: up to ``max_active`` sequences are active; each turn of the loop adv
 active one by one step (a prefill or one decoded token), so a long answer does not hold the
 others back. That loop is where a batched forward of several conversations would go. A job is
 admitted when the store can reserve the bytes its cache may grow to (prompt + max_tokens, from
-the planner); until then it waits at the head of the queue. A request whose cache cannot fit the
-budget even alone is refused by ``prepare``, before any work.
+the planner; ``job.reservation``); until then it waits at the head of the queue. The reservation
+ends when the cache goes back to the store (``store.put(..., release=)``: first the reservation,
+then the entry is counted) or, for a request that stores nothing, when it leaves the active set.
+A request whose cache cannot fit the budget even alone is refused by ``prepare``, before any work.
 
 Timeouts: a job past ``timeout`` seconds since submission stops with a 504 error (what it had
 computed is kept in the store). Any exception in a step fails only that request (500).
@@ -49,6 +51,7 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     deadline: float = float("inf")
     cancelled: threading.Event = field(default_factory=threading.Event)
+    reservation: object = None  # the store's Reservation while admitted
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -151,10 +154,21 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the loop (active requests end cancelled, kept in the store; queued ones get 503).
+        True when the thread has ended; False when it is still inside a step after ``timeout``
+        seconds: then the caches may still change, and nothing may save or close the store."""
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self.stopped:
+            log.error("the worker is still running %gs after the stop (inside a forward?)", timeout)
+        return self.stopped
+
+    @property
+    def stopped(self) -> bool:
+        """The thread has ended (or never started): no step is running and none will."""
+        return not self._thread.is_alive()
 
     # -- what sequences call ---------------------------------------------------------------------
     def new_cache(self, tokens: int):
@@ -219,8 +233,8 @@ class Worker:
                                              code="timeout"))
             return True
         if self.store is not None:
-            self.store.lookup(job.ids)  # the entry it will use goes last in the LRU line
-            if not self.store.reserve(job.need):
+            job.reservation = self.store.reserve(job.need, job.ids)  # the entry it will take is counted once
+            if job.reservation is None:
                 if self._active:  # room comes back when an active request finishes
                     return False
                 job.emit("error", error=APIError(507, "not enough room in the store's budget for this request",
@@ -244,13 +258,15 @@ class Worker:
             seq.stop("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error"))
         if seq.done:
             self._active.remove(seq)
-            if self.store is not None:
-                self.store.release(job.need)
+            if job.reservation is not None:
+                self.store.release(job.reservation)  # nothing if its put ended it already
 
     def _drain(self) -> None:
         err = APIError(503, "the server is shutting down", code="shutting_down")
         for seq in self._active:
             seq.stop("cancelled", err)
+            if seq.job.reservation is not None:
+                self.store.release(seq.job.reservation)
         self._active.clear()
         pending = [self._waiting] if self._waiting is not None else []
         while True:
