@@ -205,6 +205,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-active", type=positive_int, default=4, help="requests generated at once (interleaved)")
     s.add_argument("--queue-size", type=positive_int, default=32, help="requests waiting before 429")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queue included")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TIERCACHE_API_KEY, else none)")
     return p
 
 

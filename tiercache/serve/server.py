@@ -1,24 +1,27 @@
 """``tiercache serve``: build the model, store, worker and app from flags, and run uvicorn.
 
-    build(model, policy=None, store=None, no_store=False, persist=None, **worker_options) -> (app, parts)
+    build(model, policy=None, store=None, no_store=False, persist=None, api_key=None, **worker_options) -> (app, parts)
     main(args) -> exit code       (``tiercache.cli`` calls it with its parsed flags)
 
 ``--model`` is loaded by ``tiercache.bench.tiny.load_model`` (``tiny``, ``tiny-random``, a path or a
 hub id), on CUDA when present. ``--policy`` is the serving policy (rung 0; default full
 precision); ``--store`` the budget and ladder (``configs/serve/store.yaml``; default ``config.DEFAULT``);
 ``--no-store`` keeps nothing between requests; ``--persist DIR`` saves entries on shutdown and
-loads them (checked) on start.
+loads them (checked) on start. ``--api-key KEY`` (or ``TIERCACHE_API_KEY``) makes every ``/v1``
+route ask for ``Authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 log = logging.getLogger("tiercache.serve")
 
 
-def build(model: str, policy=None, store=None, no_store: bool = False, persist=None, device=None, **options):
+def build(model: str, policy=None, store=None, no_store: bool = False, persist=None, device=None, api_key=None,
+          **options):
     import torch
 
     from tiercache.bench.tiny import load_model
@@ -52,7 +55,7 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
         shutdown = lambda: save_entries(prefix_store, persist)  # noqa: E731
     elif prefix_store is not None:
         shutdown = prefix_store.close
-    return create_app(worker, metrics, on_shutdown=shutdown), worker
+    return create_app(worker, metrics, on_shutdown=shutdown, api_key=api_key or None), worker
 
 
 def main(args) -> int:
@@ -70,11 +73,13 @@ def main(args) -> int:
         return 1
     try:
         app, worker = build(args.model, args.policy, args.store, args.no_store, args.persist,
+                            api_key=getattr(args, "api_key", None) or os.environ.get("TIERCACHE_API_KEY") or None,
                             max_active=args.max_active, queue_size=args.queue_size, timeout=args.timeout)
     except (ModelLoadError, PolicyError) as e:
         print(f"tiercache serve: error: {e}", file=sys.stderr)
         return 1
-    log.info("serving %r on http://%s:%d (store: %s, context %d tokens)", args.model, args.host, args.port,
-             "off" if worker.store is None else "on", worker.context)
+    log.info("serving %r on http://%s:%d (store: %s, context %d tokens, API key: %s)", args.model, args.host,
+             args.port, "off" if worker.store is None else "on", worker.context,
+             "required" if getattr(args, "api_key", None) or os.environ.get("TIERCACHE_API_KEY") else "none")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
