@@ -172,7 +172,7 @@ def alone(model, codec, req, ids, choice):
     return codec.decode([t for t in out if t not in codec.eos_ids]), [e["logprob"] for e in sampler.take()["logprobs"]]
 
 
-def run(worker, req, ids):
+def events_of(worker, req):
     events, finished = [], threading.Event()
 
     def emit(kind, **data):
@@ -180,8 +180,22 @@ def run(worker, req, ids):
         if kind == "error" or sum(k == "done" for k, _ in events) == req.n:
             finished.set()
 
-    worker.submit(worker.prepare(req, emit))
+    job = worker.prepare(req, emit)
+    worker.submit(job)
     assert finished.wait(60), "no answer in time"
+    return events, job
+
+
+def wait_idle(worker):
+    for _ in range(500):
+        if worker.active == 0 and worker.queue_length == 0:
+            return
+        threading.Event().wait(0.02)
+    raise AssertionError("the worker is still busy")
+
+
+def run(worker, req, ids):
+    events, _ = events_of(worker, req)
     assert all(k != "error" for k, _ in events), events
     texts = ["".join(d["text"] for k, d in events if k == "delta" and d.get("index", 0) == i) for i in range(req.n)]
     lps = [[e["logprob"] for k, d in events if d.get("index", 0) == i for e in d.get("logprobs", ())]
@@ -216,5 +230,61 @@ def test_n_choices_fork_the_prompt_and_each_equals_its_run_alone(tiny, with_stor
             assert not any(store.stats()["reserved"].values())  # every choice's share came back
             one = w.prepare(parse_completion({"model": "m", "prompt": ids, "max_tokens": 14}), None).need
             assert w.prepare(req, None).need == {t: 4 * v for t, v in one.items()} and any(one.values())
+    finally:
+        w.stop()
+
+
+def test_a_failed_fork_or_choice_fails_the_request_and_returns_every_reservation(tiny, monkeypatch):
+    from tiercache.cache import TieredCache
+
+    model, codec = tiny
+    policy = load_policy({"name": "full"})
+    store = PrefixStore([policy], {"device": 64 * 2**20}, lambda c: c.tier_nbytes(), block_size=8, min_match=4)
+    w = Worker(model, codec, policy, model_name="m", store=store, max_active=4)
+    real_fork, real_forward, forks = TieredCache.fork, w.forward, []
+
+    def flaky_fork(cache):
+        forks.append(cache)
+        if len(forks) == 2:
+            raise RuntimeError("injected fork fault")
+        return real_fork(cache)
+
+    monkeypatch.setattr(TieredCache, "fork", flaky_fork)
+    w.start()
+    try:
+        ids = list(range(60, 90))
+        req = parse_completion({"model": "m", "prompt": ids, "max_tokens": 30, "n": 3, "temperature": 0})
+        events, job = events_of(w, req)
+        assert events[-1][0] == "error" and "injected fork fault" in events[-1][1]["error"].message
+        job.cancel()  # what the app does on an error: the other choices stop
+        wait_idle(w)
+        assert not any(store.stats()["reserved"].values())
+        monkeypatch.setattr(TieredCache, "fork", real_fork)
+
+        doomed = []  # choice 2's cache: its decode step fails
+
+        def forward(ids_, cache):
+            if doomed and cache is doomed[0]:
+                raise RuntimeError("injected step fault")
+            return real_forward(ids_, cache)
+
+        def fork_and_mark(cache):
+            copy = real_fork(cache)
+            if len(forks) == 1:  # the second fork: choice 2
+                doomed[:] = [copy]
+            forks.append(copy)
+            return copy
+
+        monkeypatch.setattr(w, "forward", forward)
+        monkeypatch.setattr(TieredCache, "fork", fork_and_mark)
+        forks.clear()
+        events, job = events_of(w, req)
+        assert events[-1][0] == "error" and events[-1][1].get("index") == 2
+        job.cancel()
+        wait_idle(w)
+        assert not any(store.stats()["reserved"].values())
+        monkeypatch.setattr(w, "forward", real_forward)
+        texts, _ = run(w, req, ids)  # the server goes on
+        assert texts[0] == texts[1] == texts[2] != ""  # greedy: the same answer three times
     finally:
         w.stop()

@@ -195,6 +195,7 @@ async def _collect(request: Request, pipe: _Pipe, job, shape) -> JSONResponse:
                 choice.parts.append(data["text"])
             elif kind == "error":
                 finished = True
+                job.cancel()  # the other choices of n stop too
                 return _error_response(data["error"])
             else:
                 choice.finish_reason, choice.usage = data["finish_reason"], data["usage"]
@@ -224,6 +225,7 @@ async def _stream(pipe: _Pipe, job, shape):
                 yield shape.sse(shape.chunk(choice.index, {"content": text} if shape.chat else text, None, logprobs))
             elif kind == "error":
                 finished = True
+                job.cancel()  # the other choices of n stop too
                 yield shape.sse(data["error"].body())
                 yield "data: [DONE]\n\n"
                 return

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from tiercache.serve.errors import APIError
 from tiercache.serve.sampling import Sampler
 from tiercache.serve.text import TextStream
 
@@ -79,12 +80,23 @@ class Sequence:
     def _fork_choices(self, logits: torch.Tensor) -> None:
         n = self.job.request.n
         shares = _shares(self.job.need, n)
+        children = []
+        try:
+            for i in range(1, n):
+                job = dataclasses.replace(self.job, need=shares[i], emit=_tagged(self.job.emit, i))
+                child = Sequence(job, self.w, choice=i)
+                child.cache, child.cached, child.t_first = self.cache.fork(), self.cached, self.t_first
+                children.append(child)
+        except Exception:  # this request fails whole; its full reservation is released with it
+            for child in children:
+                child._discard()
+            raise
         self.job.need = shares[0]  # the worker releases each choice's share when that choice ends
-        for i in range(1, n):
-            job = dataclasses.replace(self.job, need=shares[i], emit=_tagged(self.job.emit, i))
-            child = Sequence(job, self.w, choice=i)
-            child.cache, child.cached, child.t_first = self.cache.fork(), self.cached, self.t_first
-            child._accept(logits)
+        for child in children:
+            try:
+                child._accept(logits)
+            except Exception as e:  # noqa: BLE001 - this choice fails (and with it the request)
+                child.stop("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error"))
             self.w.adopt(child)
 
     def _accept(self, logits: torch.Tensor) -> None:
