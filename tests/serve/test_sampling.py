@@ -96,13 +96,15 @@ NEUTRAL_VALUES = {"tools": [], "tool_choice": "none", "functions": [], "function
                   "parallel_tool_calls": False, "response_format": {"type": "text"}, "audio": None,
                   "modalities": ["text"], "prediction": None, "reasoning_effort": None, "verbosity": None,
                   "web_search_options": None, "store": False, "service_tier": "auto", "echo": False, "suffix": "",
-                  "best_of": 1}
+                  "best_of": 1, "moderation": None, "prompt_cache_options": {}, "prompt_cache_retention": "in_memory"}
 SERVED_NONE = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
                "functions": [{"name": "f"}], "function_call": "auto", "parallel_tool_calls": "yes",
                "response_format": {"type": "json_object"}, "audio": {"voice": "alloy", "format": "wav"},
                "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
                "reasoning_effort": "high", "verbosity": "low", "web_search_options": {}, "store": True,
-               "service_tier": "flex", "echo": True, "suffix": "}", "best_of": 3}
+               "service_tier": "flex", "echo": True, "suffix": "}", "best_of": 3,
+               "moderation": {"model": "omni-moderation-latest"}, "prompt_cache_options": {"mode": "explicit"},
+               "prompt_cache_retention": "24h"}
 
 
 @pytest.mark.parametrize("name", [*NEUTRAL_CHAT, *NEUTRAL_COMPLETION])
@@ -114,6 +116,20 @@ def test_every_unserved_field_takes_its_neutral_value_and_is_refused_by_name_oth
     with pytest.raises(APIError) as e:
         parse({**base, name: SERVED_NONE[name]})
     assert e.value.status == 400 and e.value.param == name and name in e.value.message
+
+
+def test_every_field_of_the_openai_client_is_in_the_table():
+    import inspect
+
+    from openai.resources.chat.completions import Completions as Chat
+    from openai.resources.completions import Completions
+
+    from tiercache.serve.fields import allowed
+
+    for create, kind in ((Chat.create, "chat"), (Completions.create, "completion")):
+        names = [p for p in inspect.signature(create).parameters
+                 if p not in ("self", "timeout") and not p.startswith("extra_")]
+        assert sorted(set(names) - set(allowed(kind))) == [], kind
 
 
 def test_json_schema_is_refused_by_name_and_neutral_served_values_pass():

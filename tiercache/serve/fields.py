@@ -55,6 +55,12 @@ NEUTRAL_CHAT = {
     "web_search_options": (_null, "web search is not supported"),
     "store": (lambda v: v in (None, False), "stored completions are not supported; store may only be false"),
     "service_tier": (lambda v: v in (None, "auto", "default"), 'there is one service tier: "auto" or "default"'),
+    "moderation": (_null, "moderation is not run by this server"),
+    "prompt_cache_options": (lambda v: v is None or v == {} or v == {"mode": "implicit"},
+                             'the store caches every prompt\'s prefix by itself (mode "implicit"); explicit '
+                             "breakpoints and lifetimes are not served"),
+    "prompt_cache_retention": (lambda v: v in (None, "in_memory"),
+                               'stored prefixes live as long as the store\'s budget allows: only "in_memory"'),
 }
 NEUTRAL_COMPLETION = {
     "echo": (lambda v: v in (None, False), "echo (the prompt repeated in the answer) is not supported"),
