@@ -17,6 +17,10 @@ chunks that arrive in one read show a gap near 0) p50 / p99, and the time per ou
 request (first to last chunk over the gaps between) p50 / p99, in ms. Each user's first request
 warms up and is not counted.
 Writes ``bench_load.json`` and locust's own CSV statistics under ``--out``.
+
+``--threads-baseline``: the same workload again from plain Python threads (one ``openai`` client
+per thread, no locust) for the same time, printing requests/s and tokens/s per user count: on a
+loaded box, what the load generator itself costs.
 """
 
 from __future__ import annotations
@@ -29,8 +33,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import httpx
+import openai
 
 from tiercache.serve.launch import ROOT, LiveServer
 
@@ -66,6 +74,35 @@ def run_locust(url: str, users: int, args, out: Path) -> dict:
             "mean_tokens": statistics.fmean(s["tokens"]) if s["tokens"] else 0.0}
 
 
+def run_threads(server, users: int, args) -> dict:
+    """Closed-loop threads, the same requests as the locustfile: requests/s and tokens/s."""
+    done, tokens = [0] * users, [0] * users
+    stop = time.perf_counter() + args.run_time
+
+    def loop(u: int) -> None:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120,
+                               http_client=httpx.Client(trust_env=False))
+        k = 0
+        while time.perf_counter() < stop:
+            k += 1
+            for chunk in client.chat.completions.create(
+                    model=args.model, max_tokens=args.max_tokens, temperature=0, stream=True,
+                    stream_options={"include_usage": True},
+                    messages=[{"role": "user", "content": f"# request t{u}-{k}: write a function that adds two numbers\n"}]):
+                if chunk.usage is not None:
+                    tokens[u] += chunk.usage.completion_tokens
+            done[u] += 1
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=loop, args=(u,), daemon=True) for u in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(args.run_time + 120)
+    seconds = time.perf_counter() - start
+    return {"users": users, "rps": sum(done) / seconds, "tokens_per_s": sum(tokens) / seconds}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny")
@@ -75,6 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-active", type=int, default=8, help="the server's --max-active")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     p.add_argument("--out", default="out/bench_load")
+    p.add_argument("--threads-baseline", action="store_true", help="also drive the server from plain threads")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -90,6 +128,7 @@ def main(argv=None) -> int:
                 t = time.perf_counter()
                 rows.append(run_locust(server.url, n, args, out))
                 print(f"  {n} users: {time.perf_counter() - t:.0f} s", file=sys.stderr)
+            baseline = [run_threads(server, n, args) for n in users] if args.threads_baseline else []
         finally:
             server.stop()
     print(f"\nload test: locust {args.run_time}s per level, model {args.model}, {args.max_tokens} tokens per answer, "
@@ -106,7 +145,10 @@ def main(argv=None) -> int:
     for r in rows[1:] if base["requests"] > 1 else []:
         print(f"{r['users']} users vs {base['users']}: req/s x{r['rps'] / base['rps']:.2f}, "
               f"TTFT p50 x{r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}, TPOT p50 x{r['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}")
-    (out / "bench_load.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    if baseline:
+        print("\nthe same requests from plain threads (no locust): " + ", ".join(
+            f"{b['users']} users {b['rps']:.2f} req/s {b['tokens_per_s']:.0f} tokens/s" for b in baseline))
+    (out / "bench_load.json").write_text(json.dumps({"args": vars(args), "rows": rows, "threads": baseline}, indent=2))
     return 1 if any(r["failures"] for r in rows) else 0
 
 
