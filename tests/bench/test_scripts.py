@@ -27,7 +27,7 @@ SCRIPTS = [
                                     "--out", "out"],
                  ["| TTFT store (ms) |", "| 2 |", "answers identical in every turn: True", "bench_serve.png"], id="serve"),
     pytest.param("bench_load.py", ["--users", "1,2", "--run-time", "3", "--max-tokens", "4", "--out", "out"],
-                 ["| users | requests | failures |", "| 1 | ", "| 2 | ", "2 users vs 1: req/s x"], id="load",
+                 ["| users | requests | failures |", "| 1 | ", "| 2 | ", "load test: locust 3s per level"], id="load",
                  marks=pytest.mark.skipif(importlib.util.find_spec("locust") is None,
                                           reason="the clients extra (locust)")),
     pytest.param("bench_lifecycle.py", ["--layers", "2", "--context", "64", "--kv-heads", "2", "--head-dim", "16",
