@@ -8,6 +8,7 @@
                                                     chunked prefill (tiercache.prefill), then decode
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
     tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
+                    [--api-key KEY]
                                                     the OpenAI-compatible server (tiercache.serve)
 
 ``--model`` takes a built-in name (``tiercache.bench.builtin``: ``tiny``, the trained tiny model,

@@ -141,6 +141,9 @@ def test_json_schema_is_refused_by_name_and_neutral_served_values_pass():
                       "metadata": {}, "stream_options": None, "prompt_cache_key": "k", "safety_identifier": "u"})
     assert (req.logprobs, req.presence_penalty, req.logit_bias, req.n) == (None, 0.0, {}, 1)
     assert parse_completion({"model": "m", "prompt": "x", "logprobs": 0}).logprobs == 0
+    assert not parse_chat({"model": "m", "messages": MSG, "stream_options": {"include_usage": False}}).include_usage
+    with pytest.raises(APIError, match="only allowed with stream: true"):
+        parse_chat({"model": "m", "messages": MSG, "stream_options": {"include_usage": True}})
     assert parse_completion({"model": "m", "prompt": "x", "logprobs": False}).logprobs is None
     assert parse_chat({"model": "m", "messages": [{"role": "assistant", "content": "a", "tool_calls": [],
                                                    "refusal": None}]}).messages[0]["content"] == "a"

@@ -115,7 +115,7 @@ def _common(body: dict, kind: str) -> Request:
             if opts[key] is not None and not isinstance(opts[key], bool):
                 raise _bad(f"stream_options.{key} must be true or false", f"stream_options.{key}", "invalid_type")
         include_usage = bool(opts.get("include_usage"))
-        if not stream and opts:
+        if not stream and any(opts.values()):
             raise _bad("stream_options is only allowed with stream: true", "stream_options")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
