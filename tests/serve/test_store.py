@@ -249,3 +249,20 @@ def test_the_entry_a_reservation_will_take_is_counted_once_and_kept():
     store.put(a + [1, 2, 3], cache, release=r)  # the answer: the reservation ends first, then the entry is stored
     assert r.released and store.stats()["reserved"]["device"] == 0 and not ca.closed
 
+
+
+def test_split_replaces_a_reservation_by_shares_that_add_up_to_it():
+    store = make({"device": 300}, ladder=("device",))
+    r = store.reserve({"device": 200, "host": 7})
+    parts = store.split(r, 3)  # the three choices of one request (n=3)
+    assert r.released and [p.need["device"] for p in parts] == [67, 67, 66] and [p.need["host"] for p in parts] == [3, 2, 2]
+    assert store.stats()["reserved"] == {"device": 200, "host": 7, "disk": 0}
+    store.release(parts[1])
+    assert store.stats()["reserved"]["device"] == 133
+    store.put(list(range(10)), FakeCache(range(10)), release=parts[0])  # choice 0's cache goes back
+    store.release(parts[2])
+    assert store.stats()["reserved"] == {"device": 0, "host": 0, "disk": 0} and len(store) == 1
+    with pytest.raises(ValueError, match="already released"):
+        store.split(r, 2)
+    with pytest.raises(ValueError, match="positive int"):
+        store.split(store.reserve({"device": 10}), 0)

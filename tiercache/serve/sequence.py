@@ -11,42 +11,43 @@ covers the prompt plus every generated token (the next turn's ``cached_tokens`` 
 whole answer). A cancelled or timed-out request keeps the prompt plus the tokens generated before
 the last one, with no extra forward. A failed one keeps nothing.
 
-Sampling: ``temperature == 0`` is greedy (argmax); otherwise softmax(logits / temperature),
-nucleus-filtered by ``top_p``, drawn with a generator seeded by ``seed`` (random when absent).
+Sampling: ``sampling.Sampler`` on this sequence's logits row (penalties, ``logit_bias``,
+temperature / ``top_p``, a generator seeded by ``seed``, log-probabilities); the entries it
+recorded go out with the text they belong to (``delta`` / ``done`` events carry ``logprobs``).
+
+Choices (``n > 1``): the sequence of choice 0 prefills the prompt once, then forks its cache for
+each other choice (``TieredCache.fork``), and each fork draws its own first token from the same
+logits with its own sampler, then runs as a sequence of its own (``worker.adopt``), its events
+tagged ``index=i``. The store reservation (``job.reservation``, n caches) is split between them
+(``store.split``), each choice's share released when it ends; only choice 0 hands its cache back
+to the store (``store.put(..., release=)`` ends its share first).
 """
 
 from __future__ import annotations
 
-import random
+import dataclasses
 import time
 
 import torch
 
+from tiercache.serve.errors import APIError
+from tiercache.serve.sampling import Sampler
 from tiercache.serve.text import TextStream
 
 
-def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """The next token from ``logits`` ``[V]``."""
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [V]
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)  # [V]
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p  # the smallest set reaching top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+def _tagged(emit, index: int):
+    return lambda kind, **data: emit(kind, index=index, **data)
 
 
 class Sequence:
-    def __init__(self, job, worker):
-        self.job, self.w = job, worker
+    def __init__(self, job, worker, choice: int = 0):
+        self.job, self.w, self.choice = job, worker, choice
         req = job.request
         self.cache = None
         self.cached = 0
         self.generated: list[int] = []
         self.text = TextStream(worker.codec.decode, req.stop)
-        self.generator = torch.Generator(device=worker.device)
-        self.generator.manual_seed(req.seed % 2**63 if req.seed is not None else random.getrandbits(63))  # any int seeds
+        self.sampler = Sampler(req, worker.codec, worker.device, choice)
         self.done = False
         self.finish_reason = None
         self.t_first = None
@@ -68,17 +69,42 @@ class Sequence:
         self.w.count("prefilled_tokens", len(ids) - n)
         self.t_first = time.perf_counter()
         self.w.observe("ttft", self.t_first - self.job.submitted)
+        if self.job.request.n > 1:
+            self._fork_choices(logits)
         self._accept(logits)
 
+    def _fork_choices(self, logits: torch.Tensor) -> None:
+        n = self.job.request.n
+        children = []
+        try:
+            for i in range(1, n):
+                job = dataclasses.replace(self.job, reservation=None, emit=_tagged(self.job.emit, i))
+                child = Sequence(job, self.w, choice=i)
+                child.cache, child.cached, child.t_first = self.cache.fork(), self.cached, self.t_first
+                children.append(child)
+        except Exception:  # this request fails whole; its full reservation is released with it
+            for child in children:
+                child._discard()
+            raise
+        if self.job.reservation is not None:  # the worker releases each choice's share when that choice ends
+            shares = self.w.store.split(self.job.reservation, n)
+            for seq, share in zip([self, *children], shares):
+                seq.job.reservation, seq.job.need = share, share.need
+        for child in children:
+            try:
+                child._accept(logits)
+            except Exception as e:  # noqa: BLE001 - this choice fails (and with it the request)
+                child.stop("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error"))
+            self.w.adopt(child)
+
     def _accept(self, logits: torch.Tensor) -> None:
-        req = self.job.request
-        token = pick(logits, req.temperature, req.top_p, self.generator)
+        token = self.sampler.pick(logits)
         self.generated.append(token)
         if token in self.w.codec.eos_ids:
             return self._finish("stop")
         delta = self.text.push(token)
         if delta:
-            self.job.emit("delta", text=delta)
+            self.job.emit("delta", text=delta, **self.sampler.take())
         if self.text.stopped:
             return self._finish("stop")
         if len(self.generated) >= self.job.max_tokens:
@@ -93,9 +119,9 @@ class Sequence:
     def _finish(self, reason: str) -> None:
         tail = self.text.finish()
         if tail:
-            self.job.emit("delta", text=tail)
+            self.job.emit("delta", text=tail, **self.sampler.take())
         self.finish_reason = reason
-        self.job.emit("done", finish_reason=reason, usage=self.usage())
+        self.job.emit("done", finish_reason=reason, usage=self.usage(), **self.sampler.take())
         if len(self.generated) > 1:
             self.w.observe("decode", (len(self.generated) - 1) / max(time.perf_counter() - self.t_first, 1e-9))
         self.hand_back(feed_last=True)
@@ -116,7 +142,7 @@ class Sequence:
         cache, self.cache = self.cache, None
         if cache is None:
             return
-        if self.w.store is None:
+        if self.w.store is None or self.choice:  # one entry per request: choice 0's
             return cache.close()
         held = self.job.ids + self.generated[:-1]
         if feed_last and self.generated:

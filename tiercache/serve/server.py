@@ -1,6 +1,6 @@
 """``tiercache serve``: build the model, store, worker and app from flags, and run uvicorn.
 
-    build(model, policy=None, store=None, no_store=False, persist=None, **worker_options) -> (app, parts)
+    build(model, policy=None, store=None, no_store=False, persist=None, api_key=None, **worker_options) -> (app, parts)
     main(args) -> exit code       (``tiercache.cli`` calls it with its parsed flags)
 
 ``--model`` is loaded by ``tiercache.models.load.load_model`` (``tiny``, ``tiny-random``, a path or a
@@ -8,19 +8,22 @@ hub id), on CUDA when present. ``--policy`` is the serving policy (rung 0; defau
 precision); ``--store`` the budget and ladder (``configs/serve/store.yaml``; default ``config.DEFAULT``);
 ``--no-store`` keeps nothing between requests; ``--persist DIR`` saves entries on shutdown and
 loads them (checked) on start (``tiercache.serve.persist``): ``close_store`` saves only once the
-worker's thread has ended, and keeps on disk what the start refused.
+worker's thread has ended, and keeps on disk what the start refused. ``--api-key KEY`` (or
+``TIERCACHE_API_KEY``) makes every ``/v1`` route ask for ``Authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 
 log = logging.getLogger("tiercache.serve")
 
 
-def build(model: str, policy=None, store=None, no_store: bool = False, persist=None, device=None, **options):
+def build(model: str, policy=None, store=None, no_store: bool = False, persist=None, device=None, api_key=None,
+          **options):
     import torch
 
     from tiercache.models.load import load_model
@@ -54,7 +57,7 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
 
             keep = load_entries(prefix_store, persist, net.config, codec.vocab_size, worker.device).refused
         shutdown = functools.partial(close_store, worker, prefix_store, persist, keep)
-    return create_app(worker, metrics, on_shutdown=shutdown), worker
+    return create_app(worker, metrics, on_shutdown=shutdown, api_key=api_key or None), worker
 
 
 def close_store(worker, store, persist=None, keep=()) -> None:
@@ -88,11 +91,13 @@ def main(args) -> int:
         return 1
     try:
         app, worker = build(args.model, args.policy, args.store, args.no_store, args.persist,
+                            api_key=getattr(args, "api_key", None) or os.environ.get("TIERCACHE_API_KEY") or None,
                             max_active=args.max_active, queue_size=args.queue_size, timeout=args.timeout)
     except (ModelLoadError, PolicyError) as e:
         print(f"tiercache serve: error: {e}", file=sys.stderr)
         return 1
-    log.info("serving %r on http://%s:%d (store: %s, context %d tokens)", args.model, args.host, args.port,
-             "off" if worker.store is None else "on", worker.context)
+    log.info("serving %r on http://%s:%d (store: %s, context %d tokens, API key: %s)", args.model, args.host,
+             args.port, "off" if worker.store is None else "on", worker.context,
+             "required" if getattr(args, "api_key", None) or os.environ.get("TIERCACHE_API_KEY") else "none")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -19,6 +19,10 @@ Interface (the store knows caches and token ids, never a model)
                                               until released; ``ids``: its prompt (the entry it
                                               will take is not counted twice); None: not now
     store.release(reservation)                the request ended (a second release does nothing)
+    store.split(reservation, n) -> [Reservation] * n
+                                              a live reservation replaced by ``n`` whose needs add
+                                              up to its own, each released on its own (the ``n``
+                                              choices of one request, after its checkout)
     store.stats() -> dict                     lock-free: the snapshot every change publishes
     store.entries() -> [(ids, cache, rung)]   oldest first
     store.close()
@@ -219,6 +223,24 @@ class PrefixStore:
             if not reservation.released:
                 reservation.released = True
                 self._reservations.remove(reservation)
+
+    def split(self, reservation: Reservation, n: int) -> list[Reservation]:
+        """``reservation`` ends and ``n`` take its place, their needs adding up to its need exactly.
+        Called once the request's checkout is done: no part stands for a stored entry."""
+        with self._locked():
+            if not isinstance(reservation, Reservation):
+                raise TypeError(f"split() takes the Reservation that reserve() returned, got {reservation!r}")
+            if reservation.released:
+                raise ValueError("split() of a reservation already released")
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"split() into {n!r} parts; a positive int is allowed")
+            need = reservation.need
+            parts = [Reservation({t: v // n + (i < v % n) for t, v in need.items()}) for i in range(n)]
+            at = self._reservations.index(reservation)
+            self._reservations[at:at + 1] = parts
+            reservation.released = True
+            self._enforce()  # an entry it stood for, if still stored, now counts on its own
+            return parts
 
     def _floor_fits(self) -> bool:
         """Whether the reservations alone fit every tier (what no demotion or eviction can lower)."""

@@ -18,6 +18,7 @@ admitted when the store can reserve the bytes its cache may grow to (prompt + ma
 the planner; ``job.reservation``); until then it waits at the head of the queue. The reservation
 ends when the cache goes back to the store (``store.put(..., release=)``: first the reservation,
 then the entry is counted) or, for a request that stores nothing, when it leaves the active set.
+The ``n`` choices of one request split it (``store.split``; ``adopt`` takes the forked ones).
 A request whose cache cannot fit the budget even alone is refused by ``prepare``, before any work.
 
 Timeouts: a job past ``timeout`` seconds since submission stops with a 504 error (what it had
@@ -112,21 +113,22 @@ class Worker:
             raise APIError(400, f"max_tokens {max_tokens} is past the context: the prompt has {len(ids)} tokens and "
                            f"the context is {self.context}, so max_tokens may be at most {room}",
                            param="max_tokens", code="context_length_exceeded")
-        need = self._need(len(ids) + max_tokens)
+        need = self._need(len(ids) + max_tokens, request.n)
         job = Job(request, ids, max_tokens, need, emit)
         job.deadline = job.submitted + self.timeout
         return job
 
-    def _need(self, tokens: int) -> dict:
+    def _need(self, tokens: int, copies: int = 1) -> dict:
         if self.store is None:
             return {}
         from tiercache.planner.api import human, plan
 
-        need = {t: int(n) for t, n in plan(self.policy, self.spec, 1, tokens).bytes.items()}
+        need = {t: int(n) * copies for t, n in plan(self.policy, self.spec, 1, tokens).bytes.items()}
         for tier, n in need.items():
             budget = self.store.budget.get(tier)
             if budget is not None and n > budget:
-                raise APIError(400, f"this request's KV cache ({tokens} tokens: prompt + max_tokens) needs "
+                caches = f"{copies} KV caches (n)" if copies > 1 else "KV cache"
+                raise APIError(400, f"this request's {caches} ({tokens} tokens: prompt + max_tokens) needs "
                                f"{human(n)} on the {tier} tier, more than the store's whole {tier} budget of "
                                f"{human(budget)}; lower max_tokens, shorten the conversation or raise the budget",
                                param="max_tokens", code="kv_budget_exceeded")
@@ -183,6 +185,13 @@ class Worker:
                 x = torch.tensor([ids[start:start + self.prefill_chunk]], dtype=torch.long, device=self.device)  # [1, T]
                 out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1]  # [V]
+
+    def adopt(self, seq: Sequence) -> None:
+        """A sequence forked by an active one (a choice of ``n``): runs from the next turn on."""
+        if not seq.done:
+            self._active.append(seq)
+        elif seq.job.reservation is not None:
+            self.store.release(seq.job.reservation)
 
     def count(self, name: str, n: int) -> None:
         self.counters[name] += n
