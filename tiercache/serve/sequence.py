@@ -82,14 +82,14 @@ class Sequence:
                 child = Sequence(job, self.w, choice=i)
                 child.cache, child.cached, child.t_first = self.cache.fork(), self.cached, self.t_first
                 children.append(child)
+            # the worker releases each choice's share of the reservation when that choice ends
+            shares = self.w.store.split(self.job.reservation, n) if self.job.reservation is not None else ()
         except Exception:  # this request fails whole; its full reservation is released with it
             for child in children:
                 child._discard()
             raise
-        if self.job.reservation is not None:  # the worker releases each choice's share when that choice ends
-            shares = self.w.store.split(self.job.reservation, n)
-            for seq, share in zip([self, *children], shares):
-                seq.job.reservation, seq.job.need = share, share.need
+        for seq, share in zip([self, *children], shares):
+            seq.job.reservation, seq.job.need = share, share.need
         for child in children:
             try:
                 child._accept(logits)
