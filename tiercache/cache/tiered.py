@@ -92,13 +92,13 @@ class TieredCache(Cache):
         its layers are all sliding and trimmed (see ``tiercache.cache.legacy``). Bad input is a
         ``CacheError`` before anything is built. Encoder-decoder models: four tensors per layer,
         and the cache of ``for_encoder_decoder`` comes back."""
-        from tiercache.cache.tiered import legacy
+        from tiercache.cache import legacy
 
         return legacy.build(cls, past, load_policy(policy), spec_of(model_config), seq_length)
 
     def to_legacy(self) -> tuple:
         """Per layer ``(keys, values)`` at full precision, fresh tensors (``()`` when empty)."""
-        from tiercache.cache.tiered import legacy
+        from tiercache.cache import legacy
 
         return legacy.export(self.layers)
 
@@ -392,7 +392,7 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
     def to_legacy(self) -> tuple:
         """Per layer ``(self key, self value, cross key, cross value)`` at full precision, fresh
         tensors (``()`` when empty); ``TieredCache.from_legacy`` takes it back."""
-        from tiercache.cache.tiered import legacy
+        from tiercache.cache import legacy
 
         return legacy.join(self.self_attention_cache.to_legacy(), self.cross_attention_cache.to_legacy(),
                            len(self.self_attention_cache.layers))

@@ -11,7 +11,7 @@ whole footprint of a run: weights, activations, growth), ``table`` (the text tab
 
 def __getattr__(name):
     if name in ("plan", "Plan", "choose"):
-        from tiercache.planner.api import api
+        from tiercache.planner import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'tiercache.planner.api' has no attribute {name!r}")
