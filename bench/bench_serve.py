@@ -1,7 +1,25 @@
-"""Time to first token per turn of growing chats, against the live server, with and without the store.
+"""The server under load, against live ``tiercache serve`` processes on 127.0.0.1 (the ``openai`` client).
 
-    python bench/bench_serve.py [--model tiny] [--conversations 2] [--turns 32] [--history 4000]
+    python bench/bench_serve.py --scenario load [--model tiny] [--repeats 2] [--out out/bench_serve]
+    python bench/bench_serve.py [--scenario turns] [--model tiny] [--conversations 2] [--turns 32] [--history 4000]
                                 [--max-tokens 16] [--store configs/serve/store.yaml] [--out out/bench_serve]
+
+``--scenario load`` runs the three measurements below (or one: ``concurrency``, ``gap``, ``history``),
+each repeated ``--repeats`` times with the reference and the candidate interleaved, and prints
+every figure, the ratio of each repeat and their median (the CPU may be shared: ``uptime`` is printed):
+
+- ``concurrency``: aggregate decode tokens/s of N streamed completions at once (N = 1, 2, 4, 8;
+  ``--context`` prompt tokens each, ``--decode`` new tokens), against one alone. Aggregate = the
+  tokens after each stream's first / (last token of any - first token of any). Goal (issue 32):
+  8 at once >= 3x one alone on ``smollm2-135m``, >= 2x on ``tiny``.
+- ``gap``: the longest gap between two tokens of a running stream while a ``--long-prompt``-token
+  prompt arrives (sent once the stream decodes), against that prompt's cold prefill (its time to
+  first token on the idle server). Goal: <= 1/4.
+- ``history``: time to first token of a short next turn after a stored ``--history``-token history
+  (a ``--store`` server, the history answered once before) against the same request re-prefilled
+  (a ``--no-store`` server). Goal: >= 10x faster.
+
+``--scenario turns`` (the default):
 
 Two servers run side by side (``tiercache serve`` with the store, and with ``--no-store``), each in
 its own process on 127.0.0.1, driven by the official ``openai`` client with streaming. Each of N
@@ -22,9 +40,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -125,6 +145,157 @@ HEADER = ("| turn | history tokens | cached tokens | TTFT store (ms) | TTFT no-s
           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
 
 
+# -- --scenario load --------------------------------------------------------------------------------
+def text_of(chars: int, offset: int = 0) -> str:
+    """``chars`` characters of held-out ASCII text (one token each for the byte-level tiny models)."""
+    raw = load_split("heldout", max_bytes=4 * (offset + chars) + 4096).tolist()
+    text = bytes(b for b in raw if 32 <= b < 127).decode("ascii")
+    if len(text) < offset + chars:
+        raise SystemExit(f"the held-out text has {len(text)} characters, {offset + chars} needed")
+    return text[offset:offset + chars]
+
+
+def stream(server, model: str, prompt: str, max_tokens: int, started: threading.Event | None = None) -> dict:
+    """One streamed greedy completion: the arrival time of each content chunk, usage."""
+    start = time.perf_counter()
+    times, parts, usage = [], [], None
+    for chunk in server.client().completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.perf_counter())
+            parts.append(chunk.choices[0].text)
+            if started is not None:
+                started.set()
+    return {"start": start, "times": times, "text": "".join(parts), "tokens": usage.completion_tokens if usage else len(times),
+            "prompt": usage.prompt_tokens if usage else None,
+            "cached": usage.prompt_tokens_details.cached_tokens if usage and usage.prompt_tokens_details else None}
+
+
+def concurrent(server, model: str, n: int, prompts: list, decode: int) -> float:
+    """Aggregate decode tokens/s of ``n`` streams at once."""
+    out = [None] * n
+
+    def one(i):
+        out[i] = stream(server, model, prompts[i], decode)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = min(r["times"][0] for r in out)
+    last = max(r["times"][-1] for r in out)
+    return sum(r["tokens"] - 1 for r in out) / (last - first)
+
+
+def scenario_concurrency(args, tmp: Path) -> dict:
+    server = LiveServer("--model", args.model, "--no-store", "--max-active", "8", log_dir=tmp, threads=None).wait_ready()
+    try:
+        prompts = [text_of(args.context * args.chars_per_token, 997 * i) for i in range(8)]
+        concurrent(server, args.model, 2, prompts, 4)  # warm-up
+        runs = []
+        for rep in range(args.repeats):
+            alone = concurrent(server, args.model, 1, prompts, args.decode)
+            row = {"alone": alone}
+            for n in (2, 4, 8):
+                row[n] = concurrent(server, args.model, n, prompts, args.decode)
+            runs.append(row)
+            print(f"  repeat {rep + 1}: alone {alone:.1f} tok/s; " + "; ".join(
+                f"{n} at once {row[n]:.1f} tok/s ({row[n] / alone:.2f}x)" for n in (2, 4, 8)), flush=True)
+    finally:
+        server.stop()
+    ratios = {n: statistics.median(r[n] / r["alone"] for r in runs) for n in (2, 4, 8)}
+    goal = 3.0 if "smollm2" in args.model else 2.0
+    print(f"concurrency ({args.model}, {args.context}-token prompts, {args.decode} new tokens each): median ratio "
+          + ", ".join(f"{n}: {ratios[n]:.2f}x" for n in (2, 4, 8)) + f" of one alone (goal for 8: >= {goal:g}x)")
+    return {"runs": runs, "ratios": ratios, "goal_8": goal}
+
+
+def scenario_gap(args, tmp: Path) -> dict:
+    server = LiveServer("--model", args.model, "--no-store", log_dir=tmp, threads=None).wait_ready()
+    try:
+        stream(server, args.model, text_of(64), 4)  # warm-up
+        runs = []
+        for rep in range(args.repeats):
+            long = text_of(args.long_prompt * args.chars_per_token, 5000 + 7919 * rep)
+            cold = stream(server, args.model, long + " ", 1)  # alone: its cold prefill (nothing stored: --no-store)
+            prefill = cold["times"][0] - cold["start"]
+            started, running = threading.Event(), {}
+            t = threading.Thread(target=lambda: running.update(stream(server, args.model, text_of(200, 300), 2000 // 4,
+                                                                      started)))
+            t.start()
+            started.wait(60)
+            time.sleep(0.3)
+            arrived = stream(server, args.model, long, 1)
+            t.join()
+            window = [x for x in running["times"] if arrived["start"] <= x <= arrived["times"][0] + 0.1]
+            gaps = [b - a for a, b in zip(running["times"], running["times"][1:]) if b >= arrived["start"]
+                    and a <= arrived["times"][0]]
+            worst = max(gaps)
+            runs.append({"cold_prefill": prefill, "longest_gap": worst, "tokens_during": len(window),
+                         "prompt": cold["prompt"], "ttft_beside_stream": arrived["times"][0] - arrived["start"]})
+            print(f"  repeat {rep + 1}: {cold['prompt']}-token prompt: cold prefill {prefill * 1e3:.0f} ms; longest gap "
+                  f"of the running stream while it arrives {worst * 1e3:.0f} ms ({worst / prefill:.2f} of it; "
+                  f"{len(window)} tokens streamed meanwhile; its TTFT beside the stream "
+                  f"{runs[-1]['ttft_beside_stream'] * 1e3:.0f} ms)", flush=True)
+    finally:
+        server.stop()
+    ratio = statistics.median(r["longest_gap"] / r["cold_prefill"] for r in runs)
+    print(f"gap ({args.model}): median longest gap / cold prefill = {ratio:.2f} (goal <= 0.25)")
+    return {"runs": runs, "ratio": ratio}
+
+
+def scenario_history(args, tmp: Path) -> dict:
+    flags = ["--model", args.model]
+    store = LiveServer(*flags, *(["--store", args.store] if args.store else []), log_dir=tmp, threads=None)
+    plain = LiveServer(*flags, "--no-store", log_dir=tmp, threads=None)
+    try:
+        store.wait_ready(), plain.wait_ready()
+        for s in (store, plain):
+            stream(s, args.model, text_of(64), 4)  # warm-up
+        runs = []
+        for rep in range(args.repeats):
+            history = text_of(args.history * args.chars_per_token, 20000 + 9973 * rep)
+            first = stream(store, args.model, history, 8)  # the turn that stores the history
+            nxt = history + first["text"] + " " + text_of(24 * args.chars_per_token, 100 + rep)
+            hit = stream(store, args.model, nxt, 4)
+            miss = stream(plain, args.model, nxt, 4)
+            t_hit, t_miss = hit["times"][0] - hit["start"], miss["times"][0] - miss["start"]
+            runs.append({"prompt": hit["prompt"], "cached": hit["cached"], "ttft_store": t_hit, "ttft_reprefill": t_miss,
+                         "first_turn_ttft": first["times"][0] - first["start"]})
+            print(f"  repeat {rep + 1}: {hit['prompt']}-token prompt, {hit['cached']} cached: TTFT {t_hit * 1e3:.1f} ms "
+                  f"with the stored history vs {t_miss * 1e3:.1f} ms re-prefilled ({t_miss / t_hit:.1f}x)", flush=True)
+    finally:
+        store.stop(), plain.stop()
+    ratio = statistics.median(r["ttft_reprefill"] / r["ttft_store"] for r in runs)
+    print(f"history ({args.model}): median TTFT re-prefill / stored = {ratio:.1f}x (goal >= 10x)")
+    return {"runs": runs, "ratio": ratio}
+
+
+SCENARIOS = {"concurrency": scenario_concurrency, "gap": scenario_gap, "history": scenario_history}
+
+
+def run_load(args) -> dict:
+    names = list(SCENARIOS) if args.scenario == "load" else [args.scenario]
+    result = {"model": args.model, "machine": platform.platform(), "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            print(f"{name} ({args.model}); uptime: {_uptime()}", flush=True)
+            result[name] = SCENARIOS[name](args, Path(tmp))
+    result["uptime_after"] = _uptime()
+    print(f"uptime after: {result['uptime_after']}")
+    return result
+
+
+def _uptime() -> str:
+    try:
+        return "load average " + " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -148,6 +319,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scenario", default="turns", choices=["turns", "load", *SCENARIOS])
     p.add_argument("--model", default="tiny")
     p.add_argument("--policy", default=None)
     p.add_argument("--store", default=None, help="store YAML for the store server (default: built-in budget)")
@@ -156,7 +328,25 @@ def main(argv=None) -> int:
     p.add_argument("--history", type=int, default=4000, help="history tokens at the last turn (byte-level models: chars)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--out", default="out/bench_serve")
+    p.add_argument("--repeats", type=int, default=2, help="load: repeats of each measurement (interleaved)")
+    p.add_argument("--context", type=int, default=512, help="concurrency: prompt tokens of each stream")
+    p.add_argument("--decode", type=int, default=64, help="concurrency: new tokens of each stream")
+    p.add_argument("--long-prompt", type=int, default=3000, help="gap: tokens of the prompt that arrives")
+    p.add_argument("--chars-per-token", type=int, default=None,
+                   help="characters of text per prompt token (default 1 for the byte-level tiny models, else 4)")
     args = p.parse_args(argv)
+    if args.chars_per_token is None:
+        args.chars_per_token = 1 if args.model.startswith("tiny") else 4
+    if args.scenario != "turns":
+        if min(args.repeats, args.context, args.decode, args.long_prompt, args.history) < 1:
+            p.error("--repeats, --context, --decode, --long-prompt and --history must be >= 1")
+        result = run_load(args)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"bench_serve_{args.scenario}_{args.model.replace('/', '_')}.json"
+        path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"wrote {path}")
+        return 0
     if min(args.conversations, args.turns, args.history, args.max_tokens) < 1:
         p.error("--conversations, --turns, --history and --max-tokens must be >= 1")
     print(HEADER, flush=True)

@@ -1,7 +1,7 @@
 """The model worker: one thread owns the model and runs every forward pass.
 
-    worker = Worker(model, codec, policy, model_name="tiny", store=store, max_active=4,
-                    queue_size=32, timeout=600.0, metrics=None)
+    worker = Worker(model, codec, policy, model_name="tiny", store=store, max_active=8,
+                    queue_size=32, timeout=600.0, metrics=None, prefill_chunk=256, step_tokens=512)
     worker.start()
     job = worker.prepare(request, emit)    # tokenize and check (APIError 400/404), no model work
     worker.submit(job)                     # APIError 429 (with Retry-After) when the queue is full
@@ -36,9 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from tiercache.serve.batch import Row, run_rows
+from tiercache.serve.batch import run_rows
 from tiercache.serve.errors import APIError
 from tiercache.serve.protocol import DEFAULT_MAX_TOKENS, Request
 from tiercache.serve.sequence import Sequence
@@ -73,7 +71,7 @@ def context_length(model, policy) -> int:
 
 
 class Worker:
-    def __init__(self, model, codec, policy, *, model_name: str, store=None, max_active: int = 4,
+    def __init__(self, model, codec, policy, *, model_name: str, store=None, max_active: int = 8,
                  queue_size: int = 32, timeout: float = 600.0, metrics=None, prefill_chunk: int = PREFILL_CHUNK,
                  step_tokens: int = STEP_TOKENS):
         from tiercache.model_spec import ModelSpec
@@ -178,13 +176,6 @@ class Worker:
         from tiercache.cache import TieredCache
 
         return TieredCache.from_policy(self.policy, self.model.config, context_length=tokens)
-
-    def forward(self, ids, cache) -> torch.Tensor:
-        """Feed ``ids`` after what ``cache`` holds, alone (``prefill_chunk`` tokens a forward); the
-        logits of the last one, ``[V]``."""
-        for start in range(0, len(ids), self.prefill_chunk):
-            out = run_rows(self.model, [Row(cache, ids[start:start + self.prefill_chunk])])
-        return out.logits[0]  # [V]
 
     def count(self, name: str, n: int) -> None:
         self.counters[name] += n
