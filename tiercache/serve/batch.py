@@ -37,6 +37,7 @@ Numerics: at full precision each row's logits match its run alone within float32
 
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -119,14 +120,18 @@ def _mask(t: int, length: int, position: int, window, device) -> torch.Tensor | 
 
 def _attend(q, k, v, position, scaling, window, softcap):
     """``[1, H, t, D]`` attention of ``q`` ``[1, H, t, D]`` over ``k``, ``v`` ``[1, Hkv, L, D]``."""
-    t, length = q.shape[2], k.shape[2]
+    _, heads, t, dim = q.shape
+    length, groups = k.shape[2], q.shape[1] // k.shape[1]
     mask = _mask(t, length, position, window, q.device)
-    groups = q.shape[1] // k.shape[1]
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+    if softcap is None:  # the query heads sharing a K/V head folded into its query rows: one SDPA, no repeat
+        folded = q.reshape(1, k.shape[1], groups * t, dim)  # [1, Hkv, g*t, D]
+        if mask is not None and groups > 1:
+            mask = mask.repeat(groups, 1)  # [g*t, L]
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scaling)
+        return out.view(1, heads, t, dim)
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [1, H, L, D]
-    scores = torch.matmul(q, k.transpose(2, 3)) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    scores = torch.matmul(q, k.transpose(2, 3)) * (scaling if scaling is not None else dim ** -0.5)
     scores = torch.tanh(scores / softcap) * softcap  # [1, H, t, L]
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
@@ -158,9 +163,10 @@ def _implementation(model):
         model.config._attn_implementation = before
 
 
-def _cache_argument(model) -> str:
-    """``cache`` (transformers >= 5.2x) or ``past_key_values`` (earlier): what this model's forward takes."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+@functools.lru_cache(maxsize=None)
+def _cache_argument(model_class) -> str:
+    """``cache`` (recent transformers 5.x) or ``past_key_values`` (earlier): what this class's forward takes."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def run_rows(model, rows: list[Row]) -> Output:
@@ -184,6 +190,6 @@ def run_rows(model, rows: list[Row]) -> Output:
     logits_to_keep = torch.tensor(keep or [len(ids) - 1], dtype=torch.long, device=device)  # [R]
     with torch.no_grad(), _implementation(model):
         out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=logits_to_keep,
-                    tiercache_rows=batch, **{_cache_argument(model): batch})
+                    tiercache_rows=batch, **{_cache_argument(type(model)): batch})
     logits = out.logits[0].float() if keep else out.logits[0, :0].float()  # [R, V]
     return Output(logits, batch.failed)
