@@ -155,12 +155,17 @@ def _register() -> None:
 def _implementation(model):
     """The model's attention implementation is ``NAME`` inside, its own again after."""
     _register()
-    before = model.config._attn_implementation
-    model.config._attn_implementation = NAME
+    config = model.config
+    before = {"": config._attn_implementation}  # the setter recurses into sub-configs: restore each one's
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            before[key] = getattr(sub, "_attn_implementation", None)
+    config._attn_implementation = NAME
     try:
         yield
     finally:
-        model.config._attn_implementation = before
+        config._attn_implementation = before
 
 
 @functools.lru_cache(maxsize=None)
