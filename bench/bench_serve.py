@@ -217,8 +217,8 @@ def concurrent(server, model: str, n: int, prompts: list, decode: int, meter: Cp
         t.join()
     start = max(r["times"][0] for r in out)
     end = min(r["times"][-1] for r in out)
-    if end - start < 0.5 * (max(r["times"][-1] for r in out) - min(r["times"][0] for r in out)):
-        start, end = min(r["times"][0] for r in out), max(r["times"][-1] for r in out)  # a stream ended early
+    if any(r["tokens"] < decode for r in out) or end <= start:  # one ended early (end of text): first to last
+        start, end = min(r["times"][0] for r in out), max(r["times"][-1] for r in out)
     tokens = sum(sum(1 for x in r["times"] if start < x <= end) for r in out)
     cpu = meter.used(start, end) if meter is not None else None
     return {"wall": tokens / (end - start), "cpu": tokens / cpu if cpu else None, "tokens": tokens}
