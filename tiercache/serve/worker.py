@@ -287,7 +287,8 @@ class Worker:
 
     def _fail(self, seq: Sequence, e: BaseException) -> None:
         if not seq.done:
-            self.counters["failed"] += 1
+            if not seq.closing:  # a closing request has its whole answer: only its entry is lost
+                self.counters["failed"] += 1
             seq.stop("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error"))
         self._retire(seq)
 
