@@ -156,12 +156,18 @@ def text_of(chars: int, offset: int = 0) -> str:
     return text[offset:offset + chars]
 
 
-def stream(server, model: str, prompt: str, max_tokens: int, started: threading.Event | None = None) -> dict:
-    """One streamed greedy completion: the arrival time of each content chunk, usage."""
+def stream(server, model: str, prompt: str, max_tokens: int, started: threading.Event | None = None,
+           until: threading.Event | None = None) -> dict:
+    """One streamed greedy completion: the arrival time of each content chunk, usage. ``started`` is
+    set at the first chunk; once ``until`` is set the stream is closed (the server cancels it)."""
     start = time.perf_counter()
     times, parts, usage = [], [], None
-    for chunk in server.client().completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                    stream=True, stream_options={"include_usage": True}):
+    response = server.client().completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
+    for chunk in response:
+        if until is not None and until.is_set():
+            response.close()
+            break
         if chunk.usage is not None:
             usage = chunk.usage
         if chunk.choices and chunk.choices[0].text:
@@ -260,17 +266,21 @@ def scenario_gap(args, tmp: Path) -> dict:
             long = text_of(args.long_prompt * args.chars_per_token, 5000 + 7919 * rep)
             cold = stream(server, args.model, long + " ", 1)  # alone: its cold prefill (nothing stored: --no-store)
             prefill = cold["times"][0] - cold["start"]
-            started, running = threading.Event(), {}
-            t = threading.Thread(target=lambda: running.update(stream(server, args.model, text_of(200, 300), 2000 // 4,
-                                                                      started)))
+            started, done, running = threading.Event(), threading.Event(), {}
+            t = threading.Thread(target=lambda: running.update(stream(server, args.model, text_of(200, 300), 2000,
+                                                                      started, done)))
             t.start()
             started.wait(60)
             time.sleep(0.3)
             arrived = stream(server, args.model, long, 1)
+            time.sleep(0.2)
+            done.set()
             t.join()
             window = [x for x in running["times"] if arrived["start"] <= x <= arrived["times"][0] + 0.1]
             gaps = [b - a for a, b in zip(running["times"], running["times"][1:]) if b >= arrived["start"]
                     and a <= arrived["times"][0]]
+            if not gaps:
+                raise SystemExit("gap: the running stream ended before the prompt arrived (its end of text)")
             worst = max(gaps)
             runs.append({"cold_prefill": prefill, "longest_gap": worst, "tokens_during": len(window),
                          "prompt": cold["prompt"], "ttft_beside_stream": arrived["times"][0] - arrived["start"]})
