@@ -3,8 +3,9 @@
 Modules, from the face down (imports flow that way):
 - ``app``       FastAPI routes, body checks, SSE streaming, OpenAI-style errors (the only fastapi user)
 - ``protocol``  request fields -> a validated ``Request`` (types, ranges, unsupported fields)
-- ``worker``    one thread owns the model and runs every forward pass (a bounded queue)
-- ``sequence``  one request's generation: prefill from the store, decode, stop, hand back
+- ``worker``    one thread owns the model; each step one forward over every active request (a bounded queue)
+- ``sequence``  one request's generation: prefill from the store a chunk per step, decode, stop, hand back
+- ``batch``     one packed forward over several sequences, attention per sequence against its own cache
 - ``chat``      messages -> prompt text (the tokenizer's chat template, else a plain fallback)
 - ``text``      incremental detokenization with stop strings held back
 - ``store``     the prefix store: longest stored prefix, budgets per tier, LRU, demotion, eviction
