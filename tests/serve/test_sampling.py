@@ -235,6 +235,7 @@ def test_n_choices_fork_the_prompt_and_each_equals_its_run_alone(tiny, with_stor
         req = parse_completion({"model": "m", "prompt": ids, "max_tokens": 14, "n": 4, "seed": 9, "temperature": 0.8,
                                 "presence_penalty": 0.4, "logprobs": 2})
         texts, lps = run(w, req, ids)
+        wait_idle(w)  # the worker's steps switch the model's attention to the packed one: not while `alone` runs
         for i in range(4):
             want_text, want_lps = alone(model, codec, req, ids, i)
             assert texts[i] == want_text, f"choice {i}"
@@ -260,7 +261,7 @@ def test_a_failed_fork_or_choice_fails_the_request_and_returns_every_reservation
     policy = load_policy({"name": "full"})
     store = PrefixStore([policy], {"device": 64 * 2**20}, lambda c: c.tier_nbytes(), block_size=8, min_match=4)
     w = Worker(model, codec, policy, model_name="m", store=store, max_active=4)
-    real_fork, real_forward, forks = TieredCache.fork, w.forward, []
+    real_fork, forks = TieredCache.fork, []
 
     def flaky_fork(cache):
         forks.append(cache)
@@ -280,21 +281,16 @@ def test_a_failed_fork_or_choice_fails_the_request_and_returns_every_reservation
         assert not any(store.stats()["reserved"].values())
         monkeypatch.setattr(TieredCache, "fork", real_fork)
 
-        doomed = []  # choice 2's cache: its decode step fails
-
-        def forward(ids_, cache):
-            if doomed and cache is doomed[0]:
-                raise RuntimeError("injected step fault")
-            return real_forward(ids_, cache)
+        def failing_update(*args, **kwargs):
+            raise RuntimeError("injected step fault")
 
         def fork_and_mark(cache):
             copy = real_fork(cache)
-            if len(forks) == 1:  # the second fork: choice 2
-                doomed[:] = [copy]
+            if len(forks) == 1:  # the second fork: choice 2, whose part of its first decode step fails
+                copy.update = failing_update
             forks.append(copy)
             return copy
 
-        monkeypatch.setattr(w, "forward", forward)
         monkeypatch.setattr(TieredCache, "fork", fork_and_mark)
         forks.clear()
         events, job = events_of(w, req)
@@ -302,7 +298,7 @@ def test_a_failed_fork_or_choice_fails_the_request_and_returns_every_reservation
         job.cancel()
         wait_idle(w)
         assert not any(store.stats()["reserved"].values())
-        monkeypatch.setattr(w, "forward", real_forward)
+        monkeypatch.setattr(TieredCache, "fork", real_fork)
         texts, _ = run(w, req, ids)  # the server goes on
         assert texts[0] == texts[1] == texts[2] != ""  # greedy: the same answer three times
     finally:

@@ -123,7 +123,7 @@ def test_a_cache_saved_under_no_rung_of_the_ladder_is_refused_and_kept(tiny, tmp
     assert n == 20 and cache.policy == FULL
 
 
-def test_shutdown_saves_nothing_while_the_worker_is_still_running(tmp_path):
+def test_shutdown_saves_nothing_while_the_worker_is_still_running(tmp_path, monkeypatch):
     """The worker is stuck in a forward when the server stops: the previous persisted set stays."""
     from tiercache.serve.protocol import parse_completion
     from tiercache.serve.server import build
@@ -150,14 +150,16 @@ def test_shutdown_saves_nothing_while_the_worker_is_still_running(tmp_path):
     assert len(worker.store) == 1
     (stored,), = [[ids for ids, _, _ in worker.store.entries()]]
     inside, release = threading.Event(), threading.Event()
-    real = worker.forward
+    import tiercache.serve.worker as worker_module
 
-    def stuck(ids, cache):
+    real = worker_module.run_rows
+
+    def stuck(model, rows):  # the worker's step forward
         inside.set()
         release.wait(30)
-        return real(ids, cache)
+        return real(model, rows)
 
-    worker.forward = stuck
+    monkeypatch.setattr(worker_module, "run_rows", stuck)
     worker.stop = functools.partial(worker.stop, timeout=0.5)
     try:
         serve_once(app, worker, list(stored) + [1, 2, 3], block=inside)  # its next turn: the entry is taken

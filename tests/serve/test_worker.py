@@ -274,18 +274,60 @@ def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_refused(tiny, 
         w2.stop()
 
 
-def test_a_failing_step_fails_only_its_request(tiny):
+def test_a_fault_in_one_sequence_fails_only_its_request(tiny):
+    """Three requests share every step; one's cache update raises at its third step: it gets a 500
+    and stores nothing, the others answer as alone and are stored."""
+    model, codec = tiny
+    w = make_worker(tiny, prefill_chunk=8, step_tokens=32)
+    real = w.new_cache
+    made = []
+
+    def new_cache(tokens):
+        cache = real(tokens)
+        made.append(cache)
+        if len(made) == 2:  # the second request's cache
+            update, calls = cache.update, []
+
+            def flaky(k, v, layer_idx, *args, **kwargs):
+                calls.append(layer_idx)
+                if len(calls) == 2 * model.config.num_hidden_layers + 1:  # its third step, layer 0
+                    raise RuntimeError("device lost")
+                return update(k, v, layer_idx, *args, **kwargs)
+
+            cache.update = flaky
+        return cache
+
+    w.new_cache = new_cache
+    prompts = [ids_of(5 + i, 20) for i in range(3)]
+    calls = [Call(w, p, 6) for p in prompts]  # queued first: all three start in the same steps
+    w.start()
+    try:
+        with pytest.raises(APIError, match="device lost") as e:
+            calls[1].result()
+        assert e.value.status == 500
+        for i in (0, 2):
+            assert calls[i].result()[0] == codec.decode(reference(model, prompts[i], 6))
+        assert w.counters["failed"] == 1
+        assert all(list(ids[:20]) != prompts[1] for ids in stored(w))  # nothing half-done was stored
+        assert len(w.store) == 2
+    finally:
+        w.stop()
+
+
+def test_a_failing_step_fails_its_requests_and_the_next_ones_run(tiny, monkeypatch):
+    import tiercache.serve.worker as worker_module
+
     model, codec = tiny
     w = make_worker(tiny)
-    real, calls = w.forward, []
+    real, steps = worker_module.run_rows, []
 
-    def flaky(ids, cache):
-        calls.append(len(ids))
-        if len(calls) == 2:  # the first request's first decode step
+    def flaky(m, rows):
+        steps.append(len(rows))
+        if len(steps) == 2:  # the first request's first decode step
             raise RuntimeError("device lost")
-        return real(ids, cache)
+        return real(m, rows)
 
-    w.forward = flaky
+    monkeypatch.setattr(worker_module, "run_rows", flaky)
     w.start()
     try:
         with pytest.raises(APIError, match="device lost") as e:
@@ -296,6 +338,75 @@ def test_a_failing_step_fails_only_its_request(tiny):
         assert w.counters["failed"] == 1
     finally:
         w.stop()
+
+
+def test_a_long_prompt_arrives_a_chunk_a_step_beside_a_running_stream(tiny, monkeypatch):
+    """While one request decodes, a 120-token prompt is fed 16 tokens a step in the same forwards;
+    no step holds more than ``step_tokens``; both answers are those of ``generate``."""
+    import tiercache.serve.worker as worker_module
+
+    model, codec = tiny
+    w = make_worker(tiny, prefill_chunk=16, step_tokens=24, max_active=4)
+    real, steps = worker_module.run_rows, []
+
+    def recorded(m, rows):
+        steps.append([(len(r.ids), r.sample) for r in rows])
+        return real(m, rows)
+
+    monkeypatch.setattr(worker_module, "run_rows", recorded)
+    w.start()
+    try:
+        short, long = ids_of(7, 10), ids_of(8, 120)
+        first = Call(w, short, 60)
+        while not first.events:  # the first is decoding
+            threading.Event().wait(0.01)
+        second = Call(w, long, 5)
+        assert first.result()[0] == codec.decode(reference(model, short, 60))
+        assert second.result()[0] == codec.decode(reference(model, long, 5))
+    finally:
+        w.stop()
+    assert all(sum(n for n, _ in step) <= 24 for step in steps)
+    shared = [step for step in steps if len(step) == 2 and step[1][0] == 16]
+    assert len(shared) >= 6, steps  # the long prompt: 16 tokens a step, beside the decoding token
+    assert all(step[0] == (1, True) for step in shared)
+
+
+def test_step_settings_are_checked(tiny):
+    with pytest.raises(ValueError, match="step_tokens .4. must be more than max_active .4."):
+        make_worker(tiny, max_active=4, step_tokens=4)
+    with pytest.raises(ValueError, match="prefill_chunk must be a whole number >= 1, got 0"):
+        make_worker(tiny, prefill_chunk=0)
+
+
+def test_a_request_cancelled_mid_prefill_stores_the_part_it_fed(tiny, monkeypatch):
+    import tiercache.serve.worker as worker_module
+
+    model, _ = tiny
+    w = make_worker(tiny, prefill_chunk=16, step_tokens=32)
+    real, steps = worker_module.run_rows, []
+    p = ids_of(9, 100)
+    call = None
+
+    def recorded(m, rows):
+        out = real(m, rows)
+        steps.append(rows)
+        if len(steps) == 3:
+            call.job.cancel()  # after 48 of its 100 prompt tokens
+        return out
+
+    monkeypatch.setattr(worker_module, "run_rows", recorded)
+    call = Call(w, p, 5)
+    w.start()
+    try:
+        for _ in range(1000):
+            if w.active == 0 and len(w.store):
+                break
+            threading.Event().wait(0.01)
+    finally:
+        w.stop()
+    (ids, cache), = stored(w).items()
+    assert list(ids) == p[:48] and not any(kind == "delta" for kind, _ in call.events)
+    assert_kv_matches(model, ids, cache)
 
 
 # -- the store keeps what fits (issue 32) -----------------------------------------------------------------

@@ -5,9 +5,11 @@ Modules, from the face down (imports flow that way):
 - ``protocol``  request fields -> a validated ``Request`` (types, ranges, unsupported fields)
 - ``fields``    every documented OpenAI field: served, inert, or neutral-only (refused by name otherwise)
 - ``responses`` OpenAI response objects: choices, chunks, log-probabilities, usage, system_fingerprint
-- ``worker``    one thread owns the model and runs every forward pass (a bounded queue)
-- ``sequence``  one request's generation: prefill from the store, decode, stop, hand back; n choices forked
+- ``worker``    one thread owns the model; each step one forward over every active request (a bounded queue)
+- ``sequence``  one request's generation: prefill from the store a chunk per step, decode, stop, hand back;
+                n choices forked
 - ``sampling``  the next token of one sequence: penalties, logit_bias, temperature / top_p, seed, logprobs
+- ``batch``     one packed forward over several sequences, attention per sequence against its own cache
 - ``chat``      messages -> prompt text (the tokenizer's chat template, else a plain fallback)
 - ``text``      incremental detokenization with stop strings held back
 - ``store``     the prefix store: longest stored prefix, budgets per tier, LRU, demotion, eviction

@@ -89,10 +89,16 @@ def main(args) -> int:
     if args.persist is not None and args.no_store:
         print("tiercache serve: error: --persist needs the store; drop --no-store", file=sys.stderr)
         return 1
+    if args.step_tokens <= args.max_active:
+        print(f"tiercache serve: error: --step-tokens ({args.step_tokens}) must be more than --max-active "
+              f"({args.max_active}): a step holds one token of every decoding request plus a prefill chunk",
+              file=sys.stderr)
+        return 1
     try:
         app, worker = build(args.model, args.policy, args.store, args.no_store, args.persist,
                             api_key=getattr(args, "api_key", None) or os.environ.get("TIERCACHE_API_KEY") or None,
-                            max_active=args.max_active, queue_size=args.queue_size, timeout=args.timeout)
+                            max_active=args.max_active, queue_size=args.queue_size, timeout=args.timeout,
+                            prefill_chunk=args.prefill_chunk, step_tokens=args.step_tokens)
     except (ModelLoadError, PolicyError) as e:
         print(f"tiercache serve: error: {e}", file=sys.stderr)
         return 1
