@@ -20,8 +20,8 @@ _COUNTERS = {"lookups": "prompts looked up in Redis", "hits": "lookups that gave
              "errors": "failed Redis calls (each one a miss or a skipped write)",
              "timeouts": "Redis calls past the timeout", "corrupt": "chunks refused by their check",
              "vanished": "chunks gone between EXISTS and GET", "chunks_read": "chunks read",
-             "bytes_read": "bytes of chunks read", "chunks_written": "chunks written",
-             "bytes_written": "bytes of chunks written", "writes_dropped": "write jobs dropped (queue full)",
+             "bytes_read": "bytes of chunks read", "chunks_written": "chunks this server wrote first (SET NX)",
+             "bytes_written": "bytes of chunks sent to Redis", "writes_dropped": "write jobs dropped (queue full)",
              "writes_skipped": "write jobs skipped while Redis was down"}
 _NAMES = {"corrupt": "corrupt_chunks", "vanished": "vanished_chunks"}
 

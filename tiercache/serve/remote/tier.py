@@ -48,6 +48,7 @@ from tiercache.serve.remote.connector import RedisConnector, RemoteError
 from tiercache.serve.remote.keys import chunk_keys, model_fingerprint
 
 log = logging.getLogger("tiercache.serve")
+WRITE_BATCH = 8  # chunks per SET pipeline
 COUNTERS = ("lookups", "hits", "misses", "cached_tokens", "errors", "timeouts", "corrupt", "vanished",
             "chunks_read", "bytes_read", "chunks_written", "bytes_written", "writes_dropped", "writes_skipped")
 
@@ -71,7 +72,7 @@ class RemoteTier:
         self._writer.start()
 
     @classmethod
-    def for_model(cls, config, model, name: str, policy, min_match: int = 16) -> "RemoteTier":
+    def for_model(cls, config, model, name: str, policy, min_match: int = 16, retry_after: float = 1.0) -> "RemoteTier":
         from tiercache.model_spec import ModelSpec
 
         spec = ModelSpec.from_config(model.config)
@@ -82,7 +83,8 @@ class RemoteTier:
         fmt = ChunkFormat(spec, param.dtype, config.quantize)
         namespace = f"tiercache:v1:{model_fingerprint(model, name)}:{fmt.name}"
         conn = RedisConnector(config.url, timeout=config.timeout, ttl=config.ttl)
-        return cls(conn, fmt, namespace, config.chunk_tokens, policy, model.config, param.device, min_match)
+        return cls(conn, fmt, namespace, config.chunk_tokens, policy, model.config, param.device, min_match,
+                   retry_after)
 
     # -- health ----------------------------------------------------------------------------------
     def probe(self) -> bool:
@@ -112,12 +114,19 @@ class RemoteTier:
     def _ok(self) -> None:
         if not self.up:
             self.up = True
+            with self._lock:
+                self._known.clear()  # it may have restarted empty: what it held is asked again
             log.info("remote tier: Redis at %s answers again", self.conn.url)
 
     def _count(self, **n) -> None:
         with self._lock:
             for k, v in n.items():
                 self.counters[k] += v
+
+    def _forget(self, keys) -> None:
+        with self._lock:
+            for k in keys:
+                self._known.pop(k, None)
 
     def _remember(self, keys) -> None:
         with self._lock:
@@ -137,6 +146,7 @@ class RemoteTier:
         try:
             present = self.conn.exists(keys)  # [bool] per chunk, one round trip
             run = next((i for i, p in enumerate(present) if not p), len(present))
+            self._forget(k for k, p in zip(keys, present) if not p)  # evicted or expired: write them again
             if run * self.chunk <= beat or run * self.chunk < self.min_match:
                 self._ok()
                 return self._miss()
@@ -163,6 +173,7 @@ class RemoteTier:
         for i, (key, blob) in enumerate(zip(keys, blobs)):
             if blob is None:  # evicted (maxmemory, ttl) since EXISTS
                 self._count(vanished=1)
+                self._forget([key])
                 break
             try:
                 kv = self.fmt.decode(blob, key, self.device)
@@ -170,6 +181,7 @@ class RemoteTier:
                 log.error("remote tier: chunk %d of a %d-chunk prefix refused (%s); using the %d tokens before it",
                           i, len(keys), e, i * self.chunk)
                 self._count(corrupt=1)
+                self._forget([key])
                 try:
                     self.conn.delete(key)
                 except RemoteError:
@@ -192,7 +204,7 @@ class RemoteTier:
 
     # -- writes ----------------------------------------------------------------------------------
     def publish(self, ids, cache) -> int:
-        keys = chunk_keys(ids, self.chunk, self.namespace)
+        keys = chunk_keys(ids[:cache.get_seq_length()], self.chunk, self.namespace)  # only what it holds
         with self._lock:
             new = [i for i, k in enumerate(keys) if k not in self._known and k not in self._pending]
         if not new:
@@ -246,11 +258,13 @@ class RemoteTier:
 
     def _write(self, job) -> None:
         present = self.conn.exists([k for k, _ in job])
-        items = {k: self.fmt.encode(kv, k) for (k, kv), p in zip(job, present) if not p}
-        self.conn.set(items)
+        todo = [(k, kv) for (k, kv), p in zip(job, present) if not p]
+        for at in range(0, len(todo), WRITE_BATCH):  # bounded pipelines: Redis counts its input buffer as memory
+            items = {k: self.fmt.encode(kv, k) for k, kv in todo[at:at + WRITE_BATCH]}
+            new = self.conn.set(items)  # SET NX: another server may have written some meanwhile
+            self._count(chunks_written=new, bytes_written=sum(len(b) for b in items.values()))
         self._ok()
         self._remember(k for k, _ in job)
-        self._count(chunks_written=len(items), bytes_written=sum(len(b) for b in items.values()))
 
     def flush(self, timeout: float = 30.0) -> bool:
         end = time.monotonic() + timeout
