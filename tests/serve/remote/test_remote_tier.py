@@ -241,13 +241,14 @@ def test_a_dead_redis_costs_misses_and_is_used_again_when_back(model, tmp_path):
         tier, _ = written(model, r.url, ids)
         r.kill()
         assert tier.fetch(ids + [1]) == (None, 0) and tier.stats()["errors"] >= 1
-        cache, _ = prefill(model, ids)
-        assert tier.publish(ids + [5] * 40, cache) == 0  # down: nothing copied, nothing queued
+        other = ids_of(100, seed=13)
+        assert tier.publish(other, prefill(model, other)[0]) == 0  # down: nothing copied, nothing queued
         assert tier.stats()["writes_skipped"] == 1
         time.sleep(0.35)
         r.start()  # the same port, empty (no persistence)
         time.sleep(0.35)
         assert tier.fetch(ids + [1]) == (None, 0)  # answered: nothing there any more
+        cache, _ = prefill(model, ids)
         assert tier.publish(ids, cache) == 6 and tier.flush(20)
         assert tier.fetch(ids + [1])[1] == 192 and tier.stats()["up"] == 1
         tier.close()

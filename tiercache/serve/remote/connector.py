@@ -37,8 +37,14 @@ class RedisConnector:
             raise ImportError("the remote tier needs redis-py: pip install 'tiercache[remote]'") from e
         self._redis = redis
         self.url, self.ttl = url, None if ttl is None else max(1, int(ttl))
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # one retry, at once, for a lost connection (a pooled one Redis closed); none for a timeout:
+        # the caller's lookup is then a miss within ``timeout``, not redis-py's backoff schedule
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                           retry_on_timeout=False, health_check_interval=0)
+                                           retry=retry, health_check_interval=0)
 
     def _call(self, what: str, fn):
         try:
