@@ -265,3 +265,25 @@ def test_redis_absent_at_start_is_reported_not_fatal(model, caplog):
     assert "not reachable" in caplog.text
     assert tier.fetch(ids_of(200) + [1]) == (None, 0)
     tier.close()
+
+
+def test_int4_chunks_travel_packed_and_come_back_close(model, redis_url):
+    from tiercache.policy import QuantizePolicy
+
+    ids = ids_of(200, seed=14)
+    fp, cache = written(model, redis_url, ids)
+    q, _ = written(model, redis_url, ids, quantize=QuantizePolicy(bits=4, group_size=32, residual_length=0))
+    assert q.namespace != fp.namespace  # another block format: other keys
+    got_fp, n = make_tier(model, redis_url).fetch(ids + [1])
+    reader = make_tier(model, redis_url, quantize=QuantizePolicy(bits=4, group_size=32, residual_length=0))
+    got, m = reader.fetch(ids + [1])
+    assert n == m == 192
+    assert reader.stats()["bytes_read"] <= 0.3 * fp.stats()["bytes_written"]  # packed on the wire
+    for (k, v), (rk, rv) in zip(got.to_legacy(), cache.to_legacy()):
+        for a, b in ((k, rk[:, :, :m]), (v, rv[:, :, :m])):
+            sqnr = 10 * torch.log10(b.pow(2).mean() / (a - b).pow(2).mean())
+            assert sqnr > 12 and not torch.equal(a, b)
+    _, logits = prefill(model, [1], got)
+    _, want = prefill(model, ids[:m] + [1])
+    assert torch.cosine_similarity(logits, want, dim=0) > 0.98  # lossy, close
+    fp.close(), q.close(), reader.close()
