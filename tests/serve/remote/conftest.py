@@ -5,15 +5,7 @@ the tests that need it with how to install it (``make test`` installs it when ru
 from __future__ import annotations
 
 import pytest
-
-from tiercache.serve.remote.launch import RedisMissing, RedisProcess
-
-
-def start_redis(directory, **kw) -> RedisProcess:
-    try:
-        return RedisProcess(directory, **kw).start()
-    except RedisMissing as e:
-        pytest.fail(str(e), pytrace=False)
+from redis_proc import start_redis
 
 
 @pytest.fixture(scope="session")

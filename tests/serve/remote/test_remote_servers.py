@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import start_redis
+from redis_proc import start_redis
 
 from tiercache.serve.launch import LiveServer as Server
 from tiercache.serve.launch import free_port

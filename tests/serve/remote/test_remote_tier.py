@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import start_redis
+from redis_proc import start_redis
 
 from tiercache import TieredCache
 from tiercache.bench.tiny import load_model
