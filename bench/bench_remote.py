@@ -81,17 +81,23 @@ def settle(server, seconds: float = 300.0) -> dict:
     raise RuntimeError("server not idle")
 
 
-def chars_per_token(plain, model: str) -> float:
-    sample = heldout_text(2000, 0)
-    r = turn(plain, model, [{"role": "user", "content": sample}], 1)
-    return len(sample) / r["prompt"]
+def history_texts(model: str, tokens: int, repeats: int) -> list[str]:
+    """Held-out texts of ``tokens`` tokens each (by the model's own tokenizer), one per repeat."""
+    from tiercache.bench.tiny import load_model
+
+    _, tok = load_model(model)
+    texts = []
+    for i in range(repeats):
+        text = heldout_text(tokens * 8, 65536 * (i + 1))
+        ids = tok.encode(text)[:tokens]
+        texts.append(tok.decode(ids))
+    return texts
 
 
 def run_model(args, model: str, redis: RedisProcess, tmp: Path) -> dict:
     plain = LiveServer("--model", model, "--no-store", log_dir=tmp, threads=args.threads).wait_ready(600)
     try:
-        cpt = chars_per_token(plain, model)
-        chars = int((args.history - 160) * cpt)  # room for the answer and turn 2 in a 4k context
+        texts = history_texts(model, args.history - 160, args.repeats)  # room for the answer and turn 2 (4k context)
         out = {"model": model, "formats": {}}
         for fmt, quantize in FORMATS.items():
             cfg = tmp / f"store-{model}-{fmt}.json"
@@ -107,7 +113,7 @@ def run_model(args, model: str, redis: RedisProcess, tmp: Path) -> dict:
                 for i in range(args.repeats):
                     redis.command("FLUSHALL")
                     read0 = settle(b).get("tiercache_remote_bytes_read_total", 0)
-                    messages = [{"role": "user", "content": f"[{fmt} {i}] " + heldout_text(chars, 4096 * (i + 1))}]
+                    messages = [{"role": "user", "content": f"[{fmt} {i}] " + texts[i]}]
                     first = turn(a, model, messages, args.max_tokens)
                     settle(a)
                     messages += [{"role": "assistant", "content": first["text"]},

@@ -19,8 +19,9 @@ defaults below). Bad input raises ``PolicyError`` naming ``store.<field>`` and w
 Rung 0 of the ladder is always the serving policy (``--policy``); ``ladder`` lists the rungs
 below it. An entry past the last rung is evicted. The string ``remote`` may be the ladder's last
 rung (it needs a ``remote`` section): an entry leaving the last local rung then lives only in
-Redis (``StoreConfig.remote_rung``; ``tiercache.serve.remote.store``). Lossless rungs (offload to host / disk) keep
-answers identical; lossy ones (quantization) trade exactness of demoted conversations for room.
+Redis (``StoreConfig.remote_rung``; ``tiercache.serve.remote.store``). Lossless rungs (offload to
+host / disk) keep answers identical; lossy ones (quantization) trade exactness of demoted
+conversations for room.
 """
 
 from __future__ import annotations

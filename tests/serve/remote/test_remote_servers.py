@@ -84,6 +84,26 @@ def test_the_next_turn_on_the_other_server_reuses_the_history(cluster):
     assert m["tiercache_cached_tokens_total"] >= m["tiercache_remote_cached_tokens_total"]
 
 
+def test_evicted_and_corrupted_chunks_cost_a_shorter_prefix_never_a_wrong_one(cluster):
+    a, b, plain, r = cluster["a"], cluster["b"], cluster["plain"], cluster["redis"]
+    r.command("FLUSHALL")
+    messages, usage = first_turn(a, "evicted")
+    keys = r.command("KEYS", "tiercache:*")  # this conversation's chunks alone
+    assert len(keys) >= 8
+    r.command("DEL", sorted(keys)[len(keys) // 2])  # as maxmemory would: one chunk gone, somewhere in the chain
+    answer, usage_b = chat(b, messages)
+    assert usage_b.prompt_tokens_details.cached_tokens <= (len(keys) - 1) * 32  # a shorter prefix
+    assert answer == chat(plain, messages)[0]
+    messages, _ = first_turn(a, "corrupted")
+    corrupt = settle(b)["tiercache_remote_corrupt_chunks_total"]
+    for key in r.command("KEYS", "tiercache:*"):
+        r.command("SETRANGE", key, 100, b"\xff\x00")  # bytes flipped inside Redis
+    answer, usage_b = chat(b, messages)
+    assert usage_b.prompt_tokens_details.cached_tokens == 0 and answer == chat(plain, messages)[0]
+    assert settle(b)["tiercache_remote_corrupt_chunks_total"] == corrupt + 1  # the first chunk: a miss past it
+    assert "refused (checksum mismatch" in b.log()
+
+
 def test_a_slow_redis_is_a_miss_not_a_stall(cluster):
     a, b, plain, r = cluster["a"], cluster["b"], cluster["plain"], cluster["redis"]
     messages, _ = first_turn(a, "slow")
