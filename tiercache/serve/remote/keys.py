@@ -39,9 +39,8 @@ def model_fingerprint(model, name: str) -> str:
     for pname, p in sorted(model.state_dict().items()):
         h.update(f"{pname}:{tuple(p.shape)}:{p.dtype}".encode())
         raw = p.detach().reshape(-1).contiguous().view(torch.uint8) if p.numel() else torch.empty(0, dtype=torch.uint8)
-        raw = raw.cpu()
-        h.update(raw[:_SAMPLE].numpy().tobytes())
-        h.update(raw[-_SAMPLE:].numpy().tobytes())
+        h.update(raw[:_SAMPLE].cpu().numpy().tobytes())  # sliced on its device: only the samples move
+        h.update(raw[-_SAMPLE:].cpu().numpy().tobytes())
     return h.hexdigest()[:32]
 
 
