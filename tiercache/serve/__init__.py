@@ -16,10 +16,12 @@ Modules, from the face down (imports flow that way):
 - ``radix``     the trie over token blocks the store looks prefixes up in
 - ``config``    ``store.yaml``: budgets and the demotion ladder
 - ``persist``   entries saved on shutdown and loaded (checked) on start
+- ``remote/``   the shared tier: chunks in Redis behind the store (``store.yaml`` ``remote:``; docs/remote.md)
 - ``metrics``   Prometheus text for ``/metrics``
 - ``errors``    ``APIError``: status, message, type, param, code
 - ``server``    flags -> model, store, worker, app; uvicorn (``tiercache serve``)
 - ``launch``    ``LiveServer``: a server subprocess on loopback (tests, ``bench/bench_serve.py``)
 
-Only this package imports fastapi / uvicorn / prometheus_client (``pip install tiercache[serve]``).
+Only this package imports fastapi / uvicorn / prometheus_client (``pip install tiercache[serve]``),
+and only ``remote/`` imports redis (``pip install tiercache[remote]``).
 """

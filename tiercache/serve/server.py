@@ -46,6 +46,10 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
         prefix_store = PrefixStore([serving, *config.ladder], config.budget,
                                    lambda cache: cache.tier_nbytes(),
                                    block_size=config.block_size, min_match=config.min_match)
+        if config.remote is not None:  # the shared tier behind the local store
+            from tiercache.serve.remote import shared_store
+
+            prefix_store = shared_store(prefix_store, config, net, model, serving)
     metrics = Metrics()
     worker = Worker(net, codec, serving, model_name=model, store=prefix_store, metrics=metrics, **options)
     metrics.attach(worker, prefix_store)
@@ -102,8 +106,9 @@ def main(args) -> int:
     except (ModelLoadError, PolicyError) as e:
         print(f"tiercache serve: error: {e}", file=sys.stderr)
         return 1
+    store_state = "off" if worker.store is None else "on" if not hasattr(worker.store, "tier") else "on, with Redis"
     log.info("serving %r on http://%s:%d (store: %s, context %d tokens, API key: %s)", args.model, args.host,
-             args.port, "off" if worker.store is None else "on", worker.context,
+             args.port, store_state, worker.context,
              "required" if getattr(args, "api_key", None) or os.environ.get("TIERCACHE_API_KEY") else "none")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

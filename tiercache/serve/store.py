@@ -26,6 +26,8 @@ Interface (the store knows caches and token ids, never a model)
     store.stats() -> dict                     lock-free: the snapshot every change publishes
     store.entries() -> [(ids, cache, rung)]   oldest first
     store.close()
+    store.on_evict = fn(ids, cache)           optional: called with an entry leaving the last rung,
+                                              before it is closed (the remote rung writes it out)
 
 What it asks of a cache: ``fork()`` (an independent copy), ``crop(n)`` (transformers' convention,
 negative removes ``-n`` tokens), ``retier(policy)`` (in place), ``release_transients()`` (free
@@ -105,6 +107,7 @@ class PrefixStore:
         self._reservations: list[Reservation] = []  # live ones
         self._lock = threading.RLock()
         self._clock = itertools.count(1)
+        self.on_evict = None  # fn(ids, cache): an entry evicted past the last rung (remote/store.py)
         self.counters = dict.fromkeys(("hits", "misses", "cached_tokens", "demotions", "evictions",
                                        "superseded", "rejected"), 0)
         self._snapshot: dict = {}
@@ -292,6 +295,11 @@ class PrefixStore:
                 log.error("store: demoting an entry of %d tokens to rung %d failed (%s); evicting it",
                           len(entry.ids), entry.rung + 1, e)
         self._remove(entry)
+        if self.on_evict is not None:
+            try:
+                self.on_evict(entry.ids, entry.cache)
+            except Exception as e:  # noqa: BLE001 - the eviction goes on
+                log.error("store: handing an evicted entry of %d tokens on failed (%s)", len(entry.ids), e)
         entry.cache.close()
         self.counters["evictions"] += 1
 
