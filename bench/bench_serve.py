@@ -1,7 +1,27 @@
-"""Time to first token per turn of growing chats, against the live server, with and without the store.
+"""The server under load, against live ``tiercache serve`` processes on 127.0.0.1 (the ``openai`` client).
 
-    python bench/bench_serve.py [--model tiny] [--conversations 2] [--turns 32] [--history 4000]
+    python bench/bench_serve.py --scenario load [--model tiny] [--repeats 2] [--out out/bench_serve]
+    python bench/bench_serve.py [--scenario turns] [--model tiny] [--conversations 2] [--turns 32] [--history 4000]
                                 [--max-tokens 16] [--store configs/serve/store.yaml] [--out out/bench_serve]
+
+``--scenario load`` (its code: ``bench/serve_load.py``) runs the three measurements below (or one:
+``concurrency``, ``gap``, ``history``), each repeated ``--repeats`` times with the reference and the
+candidate interleaved, and prints every figure, the ratio of each repeat and their median (the
+CPU may be shared: ``uptime`` is printed):
+
+- ``concurrency``: aggregate decode tokens/s of N streamed completions at once (N = 1, 2, 4, 8;
+  ``--context`` prompt tokens each, ``--decode`` new tokens), against one alone. Aggregate = the
+  tokens streamed while all N decode (from the last first token to the first last token) / that
+  time (one alone: its tokens after the first / their time). Goal (issue 32):
+  8 at once >= 3x one alone on ``smollm2-135m``, >= 2x on ``tiny``.
+- ``gap``: the longest gap between two tokens of a running stream while a ``--long-prompt``-token
+  prompt arrives (sent once the stream decodes), against that prompt's cold prefill (its time to
+  first token on the idle server). Goal: <= 1/4.
+- ``history``: time to first token of a short next turn after a stored ``--history``-token history
+  (a ``--store`` server, the history answered once before) against the same request re-prefilled
+  (a ``--no-store`` server). Goal: >= 10x faster.
+
+``--scenario turns`` (the default):
 
 Two servers run side by side (``tiercache serve`` with the store, and with ``--no-store``), each in
 its own process on 127.0.0.1, driven by the official ``openai`` client with streaming. Each of N
@@ -30,6 +50,8 @@ from pathlib import Path
 
 from tiercache.models.corpus import load_split
 from tiercache.serve.launch import LiveServer
+
+from serve_load import SCENARIOS, run_load  # a sibling module: bench/ is on the path of a script run from it
 
 TIERS = ("device", "host", "disk")
 
@@ -148,6 +170,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scenario", default="turns", choices=["turns", "load", *SCENARIOS])
     p.add_argument("--model", default="tiny")
     p.add_argument("--policy", default=None)
     p.add_argument("--store", default=None, help="store YAML for the store server (default: built-in budget)")
@@ -156,7 +179,28 @@ def main(argv=None) -> int:
     p.add_argument("--history", type=int, default=4000, help="history tokens at the last turn (byte-level models: chars)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--out", default="out/bench_serve")
+    p.add_argument("--repeats", type=int, default=2, help="load: repeats of each measurement (interleaved)")
+    p.add_argument("--context", type=int, default=512, help="concurrency: prompt tokens of each stream")
+    p.add_argument("--decode", type=int, default=128, help="concurrency: new tokens of each stream")
+    p.add_argument("--threads", type=int, default=1,
+                   help="concurrency: the server's torch threads (OMP_NUM_THREADS; 0: all cores)")
+    p.add_argument("--long-prompt", type=int, default=3000, help="gap: tokens of the prompt that arrives")
+    p.add_argument("--chars-per-token", type=int, default=None,
+                   help="characters of text per prompt token (default 1 for the byte-level tiny models, else 4)")
     args = p.parse_args(argv)
+    if args.chars_per_token is None:
+        args.chars_per_token = 1 if args.model.startswith("tiny") else 4
+    if args.scenario != "turns":
+        if min(args.repeats, args.context, args.decode, args.long_prompt, args.history) < 1:
+            p.error("--repeats, --context, --decode, --long-prompt and --history must be >= 1")
+        args.threads = args.threads or None
+        result = run_load(args)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"bench_serve_{args.scenario}_{args.model.replace('/', '_')}.json"
+        path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"wrote {path}")
+        return 0
     if min(args.conversations, args.turns, args.history, args.max_tokens) < 1:
         p.error("--conversations, --turns, --history and --max-tokens must be >= 1")
     print(HEADER, flush=True)

@@ -8,6 +8,7 @@
                                                     chunked prefill (tiercache.cache.prefill), then decode
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
     tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
+                    [--api-key KEY] [--max-active N] [--prefill-chunk N] [--step-tokens N]
                                                     the OpenAI-compatible server (tiercache.serve)
 
 ``--model`` takes a built-in name (``tiercache.models.registry``: ``tiny``, the trained tiny model,
@@ -184,9 +185,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=positive_int, default=8000)
     s.add_argument("--no-store", action="store_true", help="keep nothing between requests (prefill everything)")
     s.add_argument("--persist", default=None, metavar="DIR", help="save stored entries here on shutdown, load on start")
-    s.add_argument("--max-active", type=positive_int, default=4, help="requests generated at once (interleaved)")
+    s.add_argument("--max-active", type=positive_int, default=8,
+                   help="requests generated at once (one forward per step over all of them)")
+    s.add_argument("--prefill-chunk", type=positive_int, default=256,
+                   help="prompt tokens one step feeds at most, beside the decoding requests (default 256)")
+    s.add_argument("--step-tokens", type=positive_int, default=512,
+                   help="tokens one step feeds at most: one per decoding request + the prefill chunk (default 512; "
+                        "more than --max-active)")
     s.add_argument("--queue-size", type=positive_int, default=32, help="requests waiting before 429")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queue included")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TIERCACHE_API_KEY, else none)")
     return p
 
 

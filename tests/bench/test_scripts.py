@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,6 +26,14 @@ SCRIPTS = [
     pytest.param("bench_serve.py", ["--conversations", "1", "--turns", "2", "--history", "200", "--max-tokens", "3",
                                     "--out", "out"],
                  ["| TTFT store (ms) |", "| 2 |", "answers identical in every turn: True", "bench_serve.png"], id="serve"),
+    pytest.param("bench_load.py", ["--users", "1,2", "--run-time", "3", "--max-tokens", "4", "--out", "out"],
+                 ["| users | requests | failures |", "| 1 | ", "| 2 | ", "load test: locust 3s per level"], id="load",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("locust") is None,
+                                          reason="the clients extra (locust)")),
+    pytest.param("bench_serve.py", ["--scenario", "load", "--repeats", "1", "--context", "32", "--decode", "8",
+                                    "--long-prompt", "300", "--history", "200", "--out", "out"],
+                 ["median ratio to one alone", "median longest gap / cold prefill", "median TTFT re-prefill / stored",
+                  "load average", "bench_serve_load_tiny.json"], id="serve-load"),
     pytest.param("bench_lifecycle.py", ["--layers", "2", "--context", "64", "--kv-heads", "2", "--head-dim", "16",
                                         "--repeats", "1", "--policies", "fp,int4,int4-host,disk"],
                  ["| int4-host | ", "| fp | ", "retier s/GiB", "bench_lifecycle.json"], id="lifecycle"),

@@ -163,10 +163,14 @@ BAD = [
                  "string", id="wrong-type-content"),
     pytest.param({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400,
                  "stream", "true or false", id="wrong-type-stream"),
-    pytest.param({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400,
-                 "logprobs", "unsupported field", id="unsupported-field"),
-    pytest.param({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", "n must be 1",
-                 id="n-2"),
+    pytest.param({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs_please": True}, 400,
+                 "logprobs_please", "unsupported field", id="unsupported-field"),
+    pytest.param({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+                 400, "tools", "not served", id="tools-refused"),
+    pytest.param({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 99}, 400, "n",
+                 "n must be in [1, 16]", id="n-99"),
+    pytest.param({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"999": 1}}, 400,
+                 "logit_bias", "outside the vocabulary", id="logit-bias-outside-vocabulary"),
 ]
 
 

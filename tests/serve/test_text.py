@@ -7,7 +7,8 @@ import torch
 
 from tiercache.models.tiny import ByteTokenizer
 from tiercache.serve.chat import Codec, fallback_template
-from tiercache.serve.sequence import pick
+from tiercache.serve.protocol import parse_completion
+from tiercache.serve.sampling import Sampler
 from tiercache.serve.text import TextStream
 
 TOK = ByteTokenizer()
@@ -34,14 +35,19 @@ def test_text_stream_never_shows_a_stop_string(text, stops, sent, stopped):
         assert all(s not in "".join(deltas[: i + 1]) for i in range(len(deltas)))
 
 
+def pick(logits, temperature, top_p, seed=None) -> int:
+    req = parse_completion({"model": "m", "prompt": "x", "temperature": temperature, "top_p": top_p, "seed": seed})
+    return Sampler(req, Codec(TOK), "cpu").pick(logits)
+
+
 def test_pick_greedy_top_p_and_seed():
     logits = torch.tensor([0.0, 3.0, 2.9, -5.0])
-    assert pick(logits, 0.0, 1.0, torch.Generator()) == 1
+    assert pick(logits, 0.0, 1.0) == 1
     # top_p just above p(top) keeps the first two: the others are never drawn
     p = torch.softmax(logits, -1)
-    draws = {pick(logits, 1.0, float(p[1]) + 0.01, torch.Generator().manual_seed(s)) for s in range(200)}
+    draws = {pick(logits, 1.0, float(p[1]) + 0.01, s) for s in range(200)}
     assert draws == {1, 2}
-    same = [pick(logits, 1.0, 1.0, torch.Generator().manual_seed(7)) for _ in range(3)]
+    same = [pick(logits, 1.0, 1.0, 7) for _ in range(3)]
     assert len(set(same)) == 1
 
 

@@ -220,23 +220,23 @@ def test_demoted_conversations_come_back_exact(tiny, tmp_path):
         for p in prompts:
             Call(w, p, 6).result()
         s = w.store.stats()
-        # device: one entry beside a request's reservation; host and disk: one each; the rest evicted
-        assert s["entries"] == {"device": 1, "host": 1, "disk": 1}, s
-        assert s["demotions"] == 5 and s["evictions"] == 1
+        # device: two entries (a request's reservation ends before its entry is stored); host and disk: one each
+        assert s["entries"] == {"device": 2, "host": 1, "disk": 1}, s
+        assert s["demotions"] == 3 and s["evictions"] == 0
         for ids, cache, rung in w.store.entries():
             twin = cache.fork()
             twin.retier(POLICY)
             assert_kv_matches(model, ids, twin)
-        # the conversation on disk (the second): promoted back, its next turn reuses it exactly
-        p = prompts[1] + firsts[1] + ids_of(99, 10)
+        # the conversation on disk (the first): promoted back, its next turn reuses it exactly
+        p = prompts[0] + firsts[0] + ids_of(99, 10)
         text, done = Call(w, p, 6).result()
-        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompts[1]) + len(firsts[1])
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompts[0]) + len(firsts[0])
         assert text == codec.decode(reference(model, p, 6))
     finally:
         w.stop()
 
 
-def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_dropped(tiny, tmp_path, caplog):
+def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_refused(tiny, tmp_path, caplog):
     from tiercache.serve.persist import load_entries, save_entries
 
     model, codec = tiny
@@ -252,12 +252,13 @@ def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_dropped(tiny, 
     raw = bytearray(files[1].read_bytes())
     raw[-10] ^= 0xFF  # flip a byte of the last tensor
     files[1].write_bytes(bytes(raw))
-    (tmp_path / "p" / "entry-junk.tiercache").write_bytes(b"not a cache")
+    (tmp_path / "p" / "entry-junk.tiercache").write_bytes(b"not a cache")  # named by no manifest: not loaded
     w2 = make_worker(tiny)
     with caplog.at_level("ERROR", logger="tiercache.serve"):
-        assert load_entries(w2.store, tmp_path / "p", model.config, codec.vocab_size) == 2
-    assert sum("persist: dropping" in r.message for r in caplog.records) == 2
-    assert not files[1].exists() and len(list((tmp_path / "p").glob("*.tiercache"))) == 2
+        got = load_entries(w2.store, tmp_path / "p", model.config, codec.vocab_size)
+    assert got.count == 2 and got.refused == [files[1].name]
+    assert sum("persist: refusing" in r.message and "sha256" in r.message for r in caplog.records) == 1
+    assert files[1].exists()  # refused and kept: never deleted by a load
     for ids, cache, _ in w2.store.entries():
         assert ids in kept
         assert_kv_matches(model, ids, cache)
@@ -273,18 +274,60 @@ def test_persisted_entries_survive_a_restart_and_corrupt_ones_are_dropped(tiny, 
         w2.stop()
 
 
-def test_a_failing_step_fails_only_its_request(tiny):
+def test_a_fault_in_one_sequence_fails_only_its_request(tiny):
+    """Three requests share every step; one's cache update raises at its third step: it gets a 500
+    and stores nothing, the others answer as alone and are stored."""
+    model, codec = tiny
+    w = make_worker(tiny, prefill_chunk=8, step_tokens=32)
+    real = w.new_cache
+    made = []
+
+    def new_cache(tokens):
+        cache = real(tokens)
+        made.append(cache)
+        if len(made) == 2:  # the second request's cache
+            update, calls = cache.update, []
+
+            def flaky(k, v, layer_idx, *args, **kwargs):
+                calls.append(layer_idx)
+                if len(calls) == 2 * model.config.num_hidden_layers + 1:  # its third step, layer 0
+                    raise RuntimeError("device lost")
+                return update(k, v, layer_idx, *args, **kwargs)
+
+            cache.update = flaky
+        return cache
+
+    w.new_cache = new_cache
+    prompts = [ids_of(5 + i, 20) for i in range(3)]
+    calls = [Call(w, p, 6) for p in prompts]  # queued first: all three start in the same steps
+    w.start()
+    try:
+        with pytest.raises(APIError, match="device lost") as e:
+            calls[1].result()
+        assert e.value.status == 500
+        for i in (0, 2):
+            assert calls[i].result()[0] == codec.decode(reference(model, prompts[i], 6))
+        assert w.counters["failed"] == 1
+        assert all(list(ids[:20]) != prompts[1] for ids in stored(w))  # nothing half-done was stored
+        assert len(w.store) == 2
+    finally:
+        w.stop()
+
+
+def test_a_failing_step_fails_its_requests_and_the_next_ones_run(tiny, monkeypatch):
+    import tiercache.serve.worker as worker_module
+
     model, codec = tiny
     w = make_worker(tiny)
-    real, calls = w.forward, []
+    real, steps = worker_module.run_rows, []
 
-    def flaky(ids, cache):
-        calls.append(len(ids))
-        if len(calls) == 2:  # the first request's first decode step
+    def flaky(m, rows):
+        steps.append(len(rows))
+        if len(steps) == 2:  # the first request's first decode step
             raise RuntimeError("device lost")
-        return real(ids, cache)
+        return real(m, rows)
 
-    w.forward = flaky
+    monkeypatch.setattr(worker_module, "run_rows", flaky)
     w.start()
     try:
         with pytest.raises(APIError, match="device lost") as e:
@@ -295,3 +338,140 @@ def test_a_failing_step_fails_only_its_request(tiny):
         assert w.counters["failed"] == 1
     finally:
         w.stop()
+
+
+def test_a_long_prompt_arrives_a_chunk_a_step_beside_a_running_stream(tiny, monkeypatch):
+    """While one request decodes, a 120-token prompt is fed 16 tokens a step in the same forwards;
+    no step holds more than ``step_tokens``; both answers are those of ``generate``."""
+    import tiercache.serve.worker as worker_module
+
+    model, codec = tiny
+    w = make_worker(tiny, prefill_chunk=16, step_tokens=24, max_active=4)
+    real, steps = worker_module.run_rows, []
+
+    def recorded(m, rows):
+        steps.append([(len(r.ids), r.sample) for r in rows])
+        return real(m, rows)
+
+    monkeypatch.setattr(worker_module, "run_rows", recorded)
+    w.start()
+    try:
+        short, long = ids_of(7, 10), ids_of(8, 120)
+        first = Call(w, short, 60)
+        while not first.events:  # the first is decoding
+            threading.Event().wait(0.01)
+        second = Call(w, long, 5)
+        assert first.result()[0] == codec.decode(reference(model, short, 60))
+        assert second.result()[0] == codec.decode(reference(model, long, 5))
+    finally:
+        w.stop()
+    assert all(sum(n for n, _ in step) <= 24 for step in steps)
+    shared = [step for step in steps if len(step) == 2 and step[1][0] == 16]
+    assert len(shared) >= 6, steps  # the long prompt: 16 tokens a step, beside the decoding token
+    assert all(step[0] == (1, True) for step in shared)
+
+
+def test_step_settings_are_checked(tiny):
+    with pytest.raises(ValueError, match="step_tokens .4. must be more than max_active .4."):
+        make_worker(tiny, max_active=4, step_tokens=4)
+    with pytest.raises(ValueError, match="prefill_chunk must be a whole number >= 1, got 0"):
+        make_worker(tiny, prefill_chunk=0)
+
+
+def test_a_request_cancelled_mid_prefill_stores_the_part_it_fed(tiny, monkeypatch):
+    import tiercache.serve.worker as worker_module
+
+    model, _ = tiny
+    w = make_worker(tiny, prefill_chunk=16, step_tokens=32)
+    real, steps = worker_module.run_rows, []
+    p = ids_of(9, 100)
+    call = None
+
+    def recorded(m, rows):
+        out = real(m, rows)
+        steps.append(rows)
+        if len(steps) == 3:
+            call.job.cancel()  # after 48 of its 100 prompt tokens
+        return out
+
+    monkeypatch.setattr(worker_module, "run_rows", recorded)
+    call = Call(w, p, 5)
+    w.start()
+    try:
+        for _ in range(1000):
+            if w.active == 0 and len(w.store):
+                break
+            threading.Event().wait(0.01)
+    finally:
+        w.stop()
+    (ids, cache), = stored(w).items()
+    assert list(ids) == p[:48] and not any(kind == "delta" for kind, _ in call.events)
+    assert_kv_matches(model, ids, cache)
+
+
+# -- the store keeps what fits (issue 32) -----------------------------------------------------------------
+
+def test_a_finished_request_is_stored_after_its_reservation_is_released(tiny):
+    """An entry bigger than half the budget stays where it is: the request that made it has ended."""
+    w = make_worker(tiny, budget={"device": int(1.5 * MiB)})  # the entry (1 MiB) and its reservation (1 MiB): 2 MiB
+    w.start()
+    try:
+        p = ids_of(50, 30)
+        Call(w, p, 6).result()
+        s = w.store.stats()
+        assert len(w.store) == 1 and s["evictions"] == 0 and s["entries"]["device"] == 1, s
+        assert s["reserved"]["device"] == 0
+        text, done = Call(w, p + reference(tiny[0], p, 6) + [7, 8, 9], 6).result()
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == 36
+    finally:
+        w.stop()
+
+
+def test_admission_does_not_count_the_entry_it_takes_out(tiny):
+    """The next turn's reservation covers the entry it continues: that entry is not also counted."""
+    model, codec = tiny
+    w = make_worker(tiny, budget={"device": int(2.5 * MiB)})
+    w.start()
+    try:
+        p = ids_of(51, 30)
+        first = reference(model, p, 6)
+        Call(w, p, 6).result()  # an entry of 1 MiB
+        p2 = p + first + ids_of(52, 250)  # 286 tokens + 6: a reservation of 2 MiB; with the entry, 3 MiB
+        text, done = Call(w, p2, 6).result()
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == len(p) + len(first)
+        assert text == codec.decode(reference(model, p2, 6))
+    finally:
+        w.stop()
+
+
+@pytest.mark.parametrize("policy", [
+    {"name": "int4", "quantize": {"backend": "native", "bits": 4, "group_size": 32, "residual_length": 32}},
+    {"name": "offload", "offload": {"device": "cpu", "prefetch": 1, "pin_memory": False}},
+], ids=["dequantization-workspace", "prefetch-slots"])
+def test_stored_entries_hold_no_transient_buffers(tiny, policy):
+    """A stored entry counts what it holds, not the workspace / slots it used while it was served."""
+    from tiercache.cache.tiered import TieredCache
+
+    model, _ = tiny
+    policy = load_policy(policy)
+    ids = ids_of(53, 100)
+    cache = TieredCache.from_policy(policy, model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), past_key_values=cache)
+    assert cache.shared_nbytes()  # serving it allocated its transient buffers
+    held = {t: n for t, n in cache.tier_nbytes().items()}
+    layers_only = sum(layer.tier_nbytes().get("device", 0) for layer in cache.layers)
+    store = PrefixStore([policy], {}, lambda c: c.tier_nbytes(), block_size=8, min_match=4)
+    store.put(ids, cache)
+    assert store.stats()["bytes"]["device"] == layers_only < held["device"]
+    assert cache.shared_nbytes() == {}
+    # taken out again, it continues exactly as a cache that never let them go
+    twin = TieredCache.from_policy(policy, model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]), past_key_values=twin)
+    back, n = store.checkout(ids + [5, 6])
+    assert back is cache and n == 100
+    with torch.no_grad():
+        a = model(input_ids=torch.tensor([[5, 6]]), past_key_values=back).logits
+        b = model(input_ids=torch.tensor([[5, 6]]), past_key_values=twin).logits
+    torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -18,8 +18,9 @@ Returned K/V may be views of internal buffers, valid until the next call on the 
 transformers' own caches, attention consumes them at once).
 
 Lifecycle (``tiercache.lifecycle``): ``fork()`` (= ``copy.deepcopy``), ``retier(policy)``, ``save`` /
-``load``; legacy tuples (``tiercache.cache.legacy``): ``from_legacy`` / ``to_legacy``; encoder-decoder
-models: ``for_encoder_decoder(policy, config)`` -> ``TieredEncoderDecoderCache`` (transformers'
+``load``, ``release_transients()`` (free the workspace and prefetch slots of a cache set aside);
+legacy tuples (``tiercache.cache.legacy``): ``from_legacy`` / ``to_legacy``; encoder-decoder models:
+``for_encoder_decoder(policy, config)`` -> ``TieredEncoderDecoderCache`` (transformers'
 ``EncoderDecoderCache`` of two TieredCaches, the cross half per ``tiercache.cache.cross_attention``).
 """
 
@@ -209,6 +210,16 @@ class TieredCache(Cache):
         self._each(lambda layer: layer.reset())
         if self._shared is not None:
             self._shared.close()  # re-created on demand
+
+    def release_transients(self) -> None:
+        """Free the buffers only a cache in use needs, keeping every token: each layer's device
+        copy (the layer protocol's ``evict`` hook: an offloaded layer's mirror) and the shared
+        buffers (dequantization workspace, prefetch slots). They are made again on the next use,
+        which gives the same K/V. For a cache set aside (a stored conversation): it then holds,
+        and ``nbytes()`` / ``tier_nbytes()`` report, only its own state."""
+        self._each(lambda layer: layer.evict())
+        if self._shared is not None:
+            self._shared.close()
 
     def activate_past_recording(self) -> None:
         self._each(lambda layer: layer.set_recording(True), self._reuse.stores(len(self.layers)))

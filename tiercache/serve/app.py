@@ -1,8 +1,13 @@
-"""The HTTP face: ``create_app(worker, metrics=None, on_shutdown=None, max_body=...) -> FastAPI``.
+"""The HTTP face: ``create_app(worker, metrics=None, on_shutdown=None, max_body=..., api_key=None) -> FastAPI``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (each with ``stream: true``:
 server-sent events in OpenAI's chunk format, ending ``data: [DONE]``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics``.
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. With ``api_key``, every ``/v1``
+route needs ``Authorization: Bearer <api_key>`` (401 ``invalid_api_key`` otherwise);
+``/health`` and ``/metrics`` stay open (probes and scrapers).
+
+A request with ``n > 1`` gets its choices' events tagged ``index`` (``sequence``): the answer
+waits for every choice; a stream interleaves their chunks, each with its ``index``.
 
 Every refusal is OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for a
 malformed body (not UTF-8, not JSON, NaN/Infinity, not an object) and bad fields (``protocol``),
@@ -20,16 +25,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tiercache.serve.errors import APIError
-from tiercache.serve.protocol import parse_chat, parse_completion
+from tiercache.serve.protocol import check_vocabulary, parse_chat, parse_completion
+from tiercache.serve.responses import Choice, Shape, fingerprint, summed_usage
 
 MAX_BODY = 8 * 2**20
 
@@ -75,7 +82,24 @@ def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY) -> FastAPI:
+def _key_check(api_key: str | None):
+    """A FastAPI dependency: the request carries ``Authorization: Bearer <api_key>``."""
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "no API key given: send the header 'Authorization: Bearer <key>'",
+                           type="invalid_request_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "incorrect API key provided", type="invalid_request_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+    return check
+
+
+def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY, api_key: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         worker.start()
@@ -88,6 +112,11 @@ def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY)
 
     app = FastAPI(title="tiercache serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
+    auth = [Depends(_key_check(api_key))]
+    fp = fingerprint(worker.model_name, getattr(worker.policy, "name", "") or "")
+
+    def model_card() -> dict:
+        return {"id": worker.model_name, "object": "model", "created": created, "owned_by": "tiercache"}
 
     @app.exception_handler(APIError)
     async def _api_error(request, err: APIError):
@@ -107,10 +136,16 @@ def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY)
         return {"status": "ok", "model": worker.model_name, "queue_length": worker.queue_length,
                 "active_requests": worker.active, "store": worker.store is not None}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=auth)
     async def models():
-        return {"object": "list", "data": [{"id": worker.model_name, "object": "model", "created": created,
-                                            "owned_by": "tiercache"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str):
+        if model_id != worker.model_name:
+            raise APIError(404, f"model {model_id!r} not found; this server serves {worker.model_name!r}",
+                           param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def prometheus():
@@ -119,20 +154,21 @@ def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY)
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(request: Request):
         return await _serve(request, parse_chat(await read_json(request, max_body)))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
         return await _serve(request, parse_completion(await read_json(request, max_body)))
 
     async def _serve(request: Request, req):
         pipe = _Pipe()
+        check_vocabulary(req, worker.codec.vocab_size)
         job = worker.prepare(req, pipe.emit)
         worker.submit(job)
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        shape = _Shape(req, rid, worker.model_name)
+        shape = Shape(req, rid, worker.model_name, fp)
         if req.stream:
             return StreamingResponse(_stream(pipe, job, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -142,7 +178,8 @@ def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY)
 
 
 async def _collect(request: Request, pipe: _Pipe, job, shape) -> JSONResponse:
-    parts, finished = [], False
+    choices = {i: Choice(i) for i in range(shape.req.n)}
+    done, finished = 0, False
     try:
         while True:
             try:
@@ -152,77 +189,57 @@ async def _collect(request: Request, pipe: _Pipe, job, shape) -> JSONResponse:
                     job.cancel()
                     return Response(status_code=499)
                 continue
+            choice = choices[data.get("index", 0)]
+            choice.entries += data.get("logprobs", ())
             if kind == "delta":
-                parts.append(data["text"])
+                choice.parts.append(data["text"])
             elif kind == "error":
                 finished = True
+                job.cancel()  # the other choices of n stop too
                 return _error_response(data["error"])
             else:
-                finished = True
-                return JSONResponse(shape.full("".join(parts), data["finish_reason"], data["usage"]))
+                choice.finish_reason, choice.usage = data["finish_reason"], data["usage"]
+                done += 1
+                if done == len(choices):
+                    finished = True
+                    usage = summed_usage([choices[i].usage for i in sorted(choices)])
+                    return JSONResponse(shape.full(list(choices.values()), usage))
     finally:
         if not finished:
             job.cancel()
 
 
 async def _stream(pipe: _Pipe, job, shape):
-    finished = False
+    choices = {i: Choice(i) for i in range(shape.req.n)}
+    done, finished = 0, False
     try:
-        if shape.req.kind == "chat":
-            yield shape.sse(shape.chunk({"role": "assistant", "content": ""}))
+        if shape.chat:
+            for i in choices:
+                yield shape.sse(shape.chunk(i, {"role": "assistant", "content": ""}))
         while True:
             kind, data = await pipe.queue.get()
+            choice = choices[data.get("index", 0)]
+            logprobs = shape.logprobs(data.get("logprobs", []), choice)
             if kind == "delta":
-                yield shape.sse(shape.chunk(data["text"] if shape.req.kind != "chat" else {"content": data["text"]}))
+                text = data["text"]
+                yield shape.sse(shape.chunk(choice.index, {"content": text} if shape.chat else text, None, logprobs))
             elif kind == "error":
                 finished = True
+                job.cancel()  # the other choices of n stop too
                 yield shape.sse(data["error"].body())
                 yield "data: [DONE]\n\n"
                 return
             else:
-                finished = True
-                empty = {} if shape.req.kind == "chat" else ""
-                yield shape.sse(shape.chunk(empty, data["finish_reason"]))
-                if shape.req.include_usage:
-                    yield shape.sse(shape.usage_chunk(data["usage"]))
-                yield "data: [DONE]\n\n"
-                return
+                choice.usage = data["usage"]
+                done += 1
+                yield shape.sse(shape.chunk(choice.index, {} if shape.chat else "", data["finish_reason"],
+                                            logprobs if data.get("logprobs") else None))
+                if done == len(choices):
+                    finished = True
+                    if shape.req.include_usage:
+                        yield shape.sse(shape.usage_chunk(summed_usage([choices[i].usage for i in sorted(choices)])))
+                    yield "data: [DONE]\n\n"
+                    return
     finally:
         if not finished:
             job.cancel()
-
-
-class _Shape:
-    """OpenAI response objects for one request."""
-
-    def __init__(self, req, rid: str, model: str):
-        self.req, self.rid, self.model, self.created = req, rid, model, int(time.time())
-        chat = req.kind == "chat"
-        self.object = "chat.completion" if chat else "text_completion"
-        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
-
-    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
-        if self.req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-                      "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-        return {**self._head(self.object), "choices": [choice], "usage": usage}
-
-    def chunk(self, delta, finish_reason=None) -> dict:
-        key = "delta" if self.req.kind == "chat" else "text"
-        out = {**self._head(self.chunk_object),
-               "choices": [{"index": 0, key: delta, "finish_reason": finish_reason, "logprobs": None}]}
-        if self.req.include_usage:
-            out["usage"] = None
-        return out
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return {**self._head(self.chunk_object), "choices": [], "usage": usage}
-
-    @staticmethod
-    def sse(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"

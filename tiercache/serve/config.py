@@ -9,12 +9,19 @@
       - {name: disk, offload: {device: disk}}   # directory) or an inline policy mapping
     block_size: 16          # tokens per radix block (the lookup granularity)
     min_match: 16           # shorter shared prefixes are not worth a fork: prefill from scratch
+    remote:                 # optional: chunks in Redis shared by servers (``tiercache.serve.remote.config``)
+      url: redis://127.0.0.1:6379/0
+      chunk_tokens: 256
+      ttl: 1d
 
 ``load_store_config(source) -> StoreConfig``: ``source`` is a path, a mapping or ``None`` (the
 defaults below). Bad input raises ``PolicyError`` naming ``store.<field>`` and what is allowed.
 Rung 0 of the ladder is always the serving policy (``--policy``); ``ladder`` lists the rungs
-below it. An entry past the last rung is evicted. Lossless rungs (offload to host / disk) keep
-answers identical; lossy ones (quantization) trade exactness of demoted conversations for room.
+below it. An entry past the last rung is evicted. The string ``remote`` may be the ladder's last
+rung (it needs a ``remote`` section): an entry leaving the last local rung then lives only in
+Redis (``StoreConfig.remote_rung``; ``tiercache.serve.remote.store``). Lossless rungs (offload to
+host / disk) keep answers identical; lossy ones (quantization) trade exactness of demoted
+conversations for room.
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ from tiercache.errors import PolicyError
 from tiercache.planner.footprint import TIERS
 from tiercache.policy.schema import Policy, load_policy
 from tiercache.policy.fields import parse_size
+from tiercache.serve.remote.config import RemoteConfig, parse_remote
 
 DEFAULT = {"budget": {"device": "1GiB", "host": "4GiB", "disk": None},
            "ladder": [{"name": "host", "offload": {"device": "cpu"}}]}
-_FIELDS = ("budget", "ladder", "block_size", "min_match")
+_FIELDS = ("budget", "ladder", "block_size", "min_match", "remote")
+REMOTE_RUNG = "remote"
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,8 @@ class StoreConfig:
     ladder: tuple[Policy, ...]  # the rungs below the serving policy
     block_size: int = 16
     min_match: int = 16
+    remote: RemoteConfig | None = None  # the shared tier (None: none)
+    remote_rung: bool = False  # ``remote`` is the ladder's last rung
 
 
 def load_store_config(source=None) -> StoreConfig:
@@ -62,10 +73,24 @@ def load_store_config(source=None) -> StoreConfig:
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
         raise PolicyError(f"store: unknown field(s) {unknown}; allowed: {', '.join(_FIELDS)}")
+    rungs = _list(data.get("ladder", []) or [])
+    remote = parse_remote(data.get("remote"))
+    remote_rung = bool(rungs) and rungs[-1] == REMOTE_RUNG
+    if remote_rung:
+        rungs = rungs[:-1]
+        if remote is None:
+            raise PolicyError(f"store.ladder[{len(rungs)}]: the {REMOTE_RUNG!r} rung needs a store.remote section "
+                              "(url, chunk_tokens, ttl)")
+    if REMOTE_RUNG in rungs:
+        raise PolicyError(f"store.ladder[{rungs.index(REMOTE_RUNG)}]: {REMOTE_RUNG!r} can only be the last rung")
+    if remote is not None and remote.write == "demote" and not remote_rung:
+        raise PolicyError("store.remote.write: 'demote' writes entries that leave the ladder's last rung; "
+                          f"add {REMOTE_RUNG!r} as the last rung of store.ladder, or use write: turn")
     return StoreConfig(budget=_budget(data.get("budget", DEFAULT["budget"])),
-                       ladder=tuple(_rung(r, i, base) for i, r in enumerate(_list(data.get("ladder", []) or []))),
+                       ladder=tuple(_rung(r, i, base) for i, r in enumerate(rungs)),
                        block_size=_positive(data.get("block_size", 16), "store.block_size"),
-                       min_match=_positive(data.get("min_match", 16), "store.min_match"))
+                       min_match=_positive(data.get("min_match", 16), "store.min_match"),
+                       remote=remote, remote_rung=remote_rung)
 
 
 def _budget(value) -> dict:

@@ -8,8 +8,11 @@ Exported (prefix ``tiercache_``): ``store_hits_total``, ``store_misses_total``,
 ``store_entries{tier}``, ``store_bytes{tier}``, ``store_reserved_bytes{tier}``,
 ``store_budget_bytes{tier}``, ``store_demotions_total``, ``store_evictions_total``,
 ``queue_length``, ``active_requests``, ``requests_total``, ``failed_requests_total``,
-``ttft_seconds`` and ``decode_tokens_per_second`` (histograms). Store and worker figures are
-read when scraped, so they are never stale. Each ``Metrics`` has its own registry.
+``ttft_seconds`` and ``decode_tokens_per_second`` (histograms); with a remote tier, its
+``tiercache_remote_*`` families (``tiercache.serve.remote.metrics``). Store and worker figures
+are read when scraped, without a lock: the store's are the snapshot its last change published
+(``PrefixStore.stats``), so a scrape never waits for the worker inside a fork, crop or retier,
+and never stalls the event loop that streams the answers. Each ``Metrics`` has its own registry.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ class _Snapshot:
                 if s[key].get(t) is not None:
                     g.add_metric([t], s[key][t])
             yield g
+        if "remote" in s:
+            from tiercache.serve.remote.metrics import families
+
+            yield from families(s["remote"])
 
 
 def _counter(name, doc, value):

@@ -1,73 +1,162 @@
 """``--persist DIR``: stored entries survive a restart.
 
-    save_entries(store, directory) -> int     on shutdown: every entry, as held (its rung), then
-                                              the store is closed; returns how many were saved
-    load_entries(store, directory, model_config, vocab_size=None, device=None) -> int
-                                              on start: each file loaded (onto ``device``) and checked
+    loaded = load_entries(store, directory, model_config, vocab_size=None, device=None)
+        on start: each entry of the saved set loaded (onto ``device``), checked, put in the store;
+        ``loaded.count`` entries stored, ``loaded.refused``: files kept on disk but not loaded
+    save_entries(store, directory, keep=()) -> int
+        on shutdown: every entry as held (its rung), plus the files named in ``keep`` (those this
+        run refused), committed as one set; then the store is closed; returns how many were saved
 
-One file per entry, ``entry-<n>.tiercache`` (``TieredCache.save(path, token_ids=ids)``: safetensors
-with sha256 per tensor, written atomically). Files of an earlier run are replaced as a whole: the
-new set is written first, then the old files are removed. On load every file goes through
-``TieredCache.load`` (format, model fingerprint, checksums) and must carry token ids matching its
-length and the vocabulary; a file that fails any check is logged and deleted, never served.
-A loaded entry goes back to the rung whose policy it was saved with (rung 0 when none matches),
-least recently used first, and the budget is enforced as each one arrives.
+The set. ``DIR/manifest.json`` names it: ``{"format": "tiercache-store", "version": 1, "entries":
+[{"file": ..., "tokens": n}, ...]}``, oldest first. Each entry is one file, ``entry-<save>-<n>.tiercache``
+(``TieredCache.save(path, token_ids=ids)``: safetensors with sha256 per tensor), with a name no
+earlier save used. A save writes every file of the new set, then replaces the manifest atomically
+(a temporary file, fsync, rename, fsync of the directory): that rename is the commit. Only then are
+the files that the new manifest does not name removed. A save killed at any point leaves the
+previous set whole (its manifest and every file it names); files it wrote before dying are named
+by no manifest and are removed by the next save. A directory without a manifest (written by an
+earlier tiercache) is read as one set of every ``*.tiercache`` file in it.
+
+Loading never deletes. A file that fails a check is refused, logged with the reason, and kept: it
+is named again by the next save's manifest (``keep``), so a restart with the wrong ``--model`` or
+``--policy`` loses nothing; the right one loads it later. The checks: ``TieredCache.load`` (format,
+model fingerprint, checksums: a corrupted file is refused and kept too; delete it yourself), token
+ids matching the cache's length and the vocabulary, and the policy it was saved with: it must build
+the same layers as one rung of this server's ladder (names aside); it is loaded at that rung. A
+cache whose policy matches no rung is refused, not guessed at (rung 0 would serve it as if it had
+the serving policy's form). Entries are loaded newest first, each placed before the others in the
+LRU line, so the order of use survives the restart; the budget is enforced as each one arrives.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 log = logging.getLogger("tiercache.serve")
 SUFFIX = ".tiercache"
+MANIFEST = "manifest.json"
+FORMAT, VERSION = "tiercache-store", 1
 
 
-def save_entries(store, directory) -> int:
+class Loaded(NamedTuple):
+    count: int  # entries put in the store
+    refused: list  # file names kept on disk, not loaded (pass them to save_entries as keep)
+
+
+def save_entries(store, directory, keep=()) -> int:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    old = set(directory.glob(f"*{SUFFIX}"))
-    saved = set()
-    for i, (ids, cache, _) in enumerate(store.entries()):  # oldest first: loaded back in this order
-        path = directory / f"entry-{i:06d}{SUFFIX}"
+    tag = uuid.uuid4().hex[:12]
+    kept = [{"file": name, "tokens": None} for name in keep if (directory / name).is_file()]
+    saved = []
+    for i, (ids, cache, _) in enumerate(store.entries()):  # oldest first
+        name = f"entry-{tag}-{i:06d}{SUFFIX}"
         try:
-            cache.save(path, token_ids=list(ids))
-            saved.add(path)
+            cache.save(directory / name, token_ids=list(ids))
+            saved.append({"file": name, "tokens": len(ids)})
         except Exception as e:  # noqa: BLE001 - one entry that cannot be saved does not stop the others
-            log.error("persist: could not save an entry of %d tokens to %s: %s", len(ids), path, e)
-    for path in old - saved:
-        path.unlink(missing_ok=True)
+            log.error("persist: could not save an entry of %d tokens to %s: %s", len(ids), directory / name, e)
+    _commit(directory, {"format": FORMAT, "version": VERSION, "entries": kept + saved})
+    named = {r["file"] for r in kept + saved}
+    for path in directory.glob(f"*{SUFFIX}"):
+        if path.name not in named:  # the previous set's files, and any an interrupted save left
+            path.unlink(missing_ok=True)
     store.close()
-    log.info("persist: saved %d entries to %s", len(saved), directory)
+    log.info("persist: saved %d entries to %s%s", len(saved), directory,
+             f" (and kept {len(kept)} refused at start)" if kept else "")
     return len(saved)
 
 
-def load_entries(store, directory, model_config, vocab_size: int | None = None, device=None) -> int:
+def _commit(directory: Path, manifest: dict) -> None:
+    tmp = directory / f".{MANIFEST}.{uuid.uuid4().hex[:8]}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _the_set(directory: Path) -> list[str]:
+    """File names of the committed set, oldest first."""
+    path = directory / MANIFEST
+    loose = sorted(p.name for p in directory.glob(f"*{SUFFIX}"))
+    if not path.is_file():
+        return loose  # an earlier tiercache's layout: every file is the set
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+            raise ValueError(f"format {manifest.get('format')!r} version {manifest.get('version')!r}, "
+                             f"expected {FORMAT!r} version {VERSION}")
+        names = [str(r["file"]) for r in manifest["entries"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.error("persist: %s is not readable (%s); reading every %s file in %s instead", path, e, SUFFIX, directory)
+        return loose
+    stray = sorted(set(loose) - set(names))
+    if stray:
+        log.warning("persist: %d file(s) in %s belong to no committed set (a save was interrupted): ignored, "
+                    "removed by the next save", len(stray), directory)
+    return names
+
+
+def load_entries(store, directory, model_config, vocab_size: int | None = None, device=None) -> Loaded:
     from tiercache.cache.tiered import TieredCache
 
     directory = Path(directory)
     if not directory.is_dir():
         directory.mkdir(parents=True, exist_ok=True)
-        return 0
-    loaded = 0
-    for path in sorted(directory.glob(f"*{SUFFIX}")):
+        return Loaded(0, [])
+    loaded, refused = 0, []
+
+    def refuse(name: str, why: str) -> None:
+        log.error("persist: refusing %s (kept on disk, not loaded): %s", directory / name, why)
+        refused.append(name)
+
+    for name in reversed(_the_set(directory)):  # newest first: each older one goes before it in the LRU line
+        path = directory / name
+        if not path.is_file():
+            log.error("persist: %s is named by the manifest but missing", path)
+            continue
         try:
             cache = TieredCache.load(path, model_config, device=device)
-        except Exception as e:  # noqa: BLE001 - CacheError for a corrupt file; anything else is as bad
-            log.error("persist: dropping %s: %s", path, e)
-            path.unlink(missing_ok=True)
+        except Exception as e:  # noqa: BLE001 - CacheError for another model, a corrupt file ...
+            refuse(name, str(e))
             continue
-        ids = cache.token_ids
-        problem = _check(ids, cache.get_seq_length(), vocab_size)
+        problem = _check(cache.token_ids, cache.get_seq_length(), vocab_size)
+        rung = None if problem else rung_of(store.ladder, cache)
+        if rung is None and not problem:
+            problem = (f"it was saved with policy {cache.policy.name!r}, whose form matches no rung of this server's "
+                       f"ladder ({', '.join(repr(p.name) for p in store.ladder)}); serve with that policy in the "
+                       "ladder to load it")
         if problem:
-            log.error("persist: dropping %s: %s", path, problem)
             cache.close()
-            path.unlink(missing_ok=True)
+            refuse(name, problem)
             continue
-        rung = next((r for r, p in enumerate(store.ladder) if p == cache.policy), 0)
-        loaded += store.put(ids, cache, rung, oldest=True)
-    log.info("persist: loaded %d entries from %s", loaded, directory)
-    return loaded
+        loaded += store.put(cache.token_ids, cache, rung, oldest=True)
+    log.info("persist: loaded %d entries from %s%s", loaded, directory,
+             f"; refused and kept {len(refused)}" if refused else "")
+    return Loaded(loaded, list(reversed(refused)))
+
+
+def rung_of(ladder, cache) -> int | None:
+    """The rung whose policy builds the same layers as the one ``cache`` holds (names aside), or None."""
+    def form(policy):
+        try:
+            return type(cache).layer_policies(policy, cache.model)
+        except Exception:  # noqa: BLE001 - a policy that cannot be resolved for this model matches nothing
+            return None
+
+    mine = form(cache.policy)
+    return next((r for r, p in enumerate(ladder) if p == cache.policy or (mine is not None and form(p) == mine)), None)
 
 
 def _check(ids, seen: int, vocab_size) -> str | None:

@@ -3,14 +3,20 @@
     parse_chat(body) -> Request          POST /v1/chat/completions
     parse_completion(body) -> Request    POST /v1/completions
 
-Accepted fields (``null`` means "the default"): ``model``, ``messages`` (chat) / ``prompt``
+Served fields (``null`` means "the default"): ``model``, ``messages`` (chat) / ``prompt``
 (completions: a string, a one-string list, or a list of token ids), ``max_tokens`` and
 ``max_completion_tokens`` (>= 1; default: the room left in the context, at most
 ``DEFAULT_MAX_TOKENS``), ``temperature`` (0..2, default 1; 0 is greedy), ``top_p`` (0 < p <= 1),
-``seed``, ``stop`` (a string or up to 4), ``n`` (1 only), ``stream``, ``stream_options``
-(``include_usage``), ``user``. Any other field is refused by name, never ignored.
+``seed``, ``stop`` (a string or up to 4), ``n`` (1..``MAX_N`` choices), ``presence_penalty`` and
+``frequency_penalty`` (-2..2), ``logit_bias`` (token id -> -100..100), ``logprobs`` (chat: true /
+false with ``top_logprobs`` 0..20; completions: 0..20 alternatives), ``stream``,
+``stream_options`` (``include_usage``; ``include_obfuscation`` accepted, no padding is added),
+``user``. The documented fields this server does not serve are accepted at their neutral values
+and otherwise refused by name (``fields``); any other field is refused by name, never ignored.
 Messages: ``role`` one of ``ROLES``; ``content`` a string or a list of ``{"type": "text",
-"text": ...}`` parts; ``name`` allowed.
+"text": ...}`` parts; ``name`` allowed; ``refusal``, ``audio``, ``tool_calls``, ``function_call``
+only when empty. ``Request.logprobs`` is the number of alternatives per token (None: no
+log-probabilities).
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tiercache.serve.errors import APIError
+from tiercache.serve.fields import allowed, check_message_extras, check_unserved
+from tiercache.serve.sampling import MAX_TOP_LOGPROBS
 
 ROLES = ("system", "developer", "user", "assistant")
 DEFAULT_MAX_TOKENS = 256
-_COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options", "user")
-CHAT_FIELDS = (*_COMMON, "messages", "max_completion_tokens")
-COMPLETION_FIELDS = (*_COMMON, "prompt")
+MAX_N = 16
+CHAT_FIELDS = allowed("chat")
+COMPLETION_FIELDS = allowed("completion")
 
 
 @dataclass
@@ -40,6 +48,11 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)  # token id -> added logit
+    logprobs: int | None = None  # alternatives per token; None: no log-probabilities
 
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> APIError:
@@ -52,10 +65,12 @@ def _object(body) -> dict:
     return body
 
 
-def _unsupported(body: dict, allowed) -> None:
+def _unsupported(body: dict, kind: str) -> None:
+    names = allowed(kind)
     for key in body:
-        if key not in allowed:
-            raise _bad(f"unsupported field {key!r}; this server accepts: {', '.join(allowed)}", key, "unsupported_field")
+        if key not in names:
+            raise _bad(f"unsupported field {key!r}; this server accepts: {', '.join(names)}", key, "unsupported_field")
+    check_unserved(body, kind)
 
 
 def _int(body, key, low=None):
@@ -85,20 +100,22 @@ def _common(body: dict, kind: str) -> Request:
     if not isinstance(model, str) or not model:
         raise _bad(f"model must be a non-empty string, got {model!r}", "model", "invalid_type")
     n = _int(body, "n")
-    if n is not None and n != 1:
-        raise _bad(f"n must be 1 (one choice per request), got {n}", "n")
+    if n is not None and not 1 <= n <= MAX_N:
+        raise _bad(f"n must be in [1, {MAX_N}] (choices per request), got {n}", "n")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _bad(f"stream must be true or false, got {stream!r}", "stream", "invalid_type")
     opts = body.get("stream_options")
     include_usage = False
     if opts is not None:
-        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-            raise _bad(f"stream_options must be an object with only include_usage, got {opts!r}", "stream_options")
-        include_usage = opts.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise _bad("stream_options.include_usage must be true or false", "stream_options.include_usage", "invalid_type")
-        if not stream:
+        if not isinstance(opts, dict) or set(opts) - {"include_usage", "include_obfuscation"}:
+            raise _bad(f"stream_options must be an object with only include_usage (and include_obfuscation), "
+                       f"got {opts!r}", "stream_options")
+        for key in opts:
+            if opts[key] is not None and not isinstance(opts[key], bool):
+                raise _bad(f"stream_options.{key} must be true or false", f"stream_options.{key}", "invalid_type")
+        include_usage = bool(opts.get("include_usage"))
+        if not stream and any(opts.values()):
             raise _bad("stream_options is only allowed with stream: true", "stream_options")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -110,13 +127,62 @@ def _common(body: dict, kind: str) -> Request:
     return Request(kind=kind, model=model, max_tokens=_int(body, "max_tokens", 1),
                    temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                    top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-                   seed=_int(body, "seed"), stop=stop, stream=bool(stream), include_usage=include_usage, user=user)
+                   seed=_int(body, "seed"), stop=stop, stream=bool(stream), include_usage=include_usage, user=user,
+                   n=n or 1, presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                   frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                   logit_bias=_logit_bias(body.get("logit_bias")))
+
+
+def _logit_bias(value) -> dict:
+    """``{"token id": bias}`` -> ``{int: float}``; ids are checked against the vocabulary later
+    (``check_vocabulary``: the parser does not know the model)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad(f"logit_bias must be an object of token id -> bias, got {value!r}", "logit_bias", "invalid_type")
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.strip().isdigit()):
+            raise _bad(f"logit_bias key {key!r} is not a token id (a non-negative integer)", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise _bad(f"logit_bias[{key!r}] must be a number in [-100, 100], got {bias!r}", "logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
+def check_vocabulary(req: Request, vocab_size: int) -> None:
+    """``logit_bias`` names only token ids of the model (``vocab_size`` of them)."""
+    bad = sorted(t for t in req.logit_bias if t >= vocab_size)
+    if bad:
+        raise _bad(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "logit_bias")
+
+
+def _chat_logprobs(body: dict):
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _bad(f"logprobs must be true or false, got {logprobs!r}", "logprobs", "invalid_type")
+    top = _int(body, "top_logprobs", 0)
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise _bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    if top and not logprobs:
+        raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if logprobs else None
+
+
+def _completion_logprobs(body: dict):
+    if body.get("logprobs") is False:  # a neutral value some clients send
+        return None
+    top = _int(body, "logprobs", 0)
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise _bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), got {top}", "logprobs")
+    return top
 
 
 def parse_chat(body) -> Request:
     body = _object(body)
-    _unsupported(body, CHAT_FIELDS)
+    _unsupported(body, "chat")
     req = _common(body, "chat")
+    req.logprobs = _chat_logprobs(body)
     mct = _int(body, "max_completion_tokens", 1)
     if mct is not None:
         if req.max_tokens is not None and req.max_tokens != mct:
@@ -136,10 +202,7 @@ def _message(m, i: int) -> dict:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise _bad(f"{where} must be an object with role and content, got {m!r}", where, "invalid_type")
-    for key in m:
-        if key not in ("role", "content", "name"):
-            raise _bad(f"{where}: unsupported field {key!r}; allowed: role, content, name", f"{where}.{key}",
-                       "unsupported_field")
+    check_message_extras(m, where)
     role = m.get("role")
     if role not in ROLES:
         raise _bad(f"{where}.role {role!r} is not supported; allowed: {', '.join(ROLES)}", f"{where}.role")
@@ -163,8 +226,9 @@ def _message(m, i: int) -> dict:
 
 def parse_completion(body) -> Request:
     body = _object(body)
-    _unsupported(body, COMPLETION_FIELDS)
+    _unsupported(body, "completion")
     req = _common(body, "completion")
+    req.logprobs = _completion_logprobs(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

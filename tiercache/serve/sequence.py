@@ -1,84 +1,139 @@
 """One request's generation on the worker thread: ``Sequence(job, worker)``.
 
-    seq.step()      the first call prefills (from the longest stored prefix), later ones decode
-                    one token each; ``seq.done`` once it has finished
+    row = seq.row(budget)      the tokens it feeds this step (``tiercache.serve.batch.Row``), or None
+    seq.advance(row, logits)   after the step's forward: ``logits`` ``[V]`` when ``row.sample``
     seq.stop(reason, error=None)   end it early (``cancelled`` / ``timeout`` / ``error``)
+    seq.done                   it has finished and handed its cache back
+
+Phases, one row per worker step (the worker batches the rows of every active sequence):
+``prefill`` (the first row checks the store out for the longest stored prefix, then feeds the
+rest of the prompt, at most ``budget`` tokens per step, sampling the first token after the last
+chunk), ``decode`` (the last sampled token, sampling the next), ``closing`` (after a normal
+finish, with a store: the last sampled token is fed once more, no sampling, after the client has
+its answer, so the entry covers the prompt plus every generated token and the next turn's
+``cached_tokens`` covers the whole answer).
 
 What goes back to the store (``hand_back``): the cache and exactly the token ids whose K/V it
-holds. The last sampled token has not been through the model yet, so after a normal finish
-(``stop`` / ``length``) it is fed once more, after the client has its answer, and the entry
-covers the prompt plus every generated token (the next turn's ``cached_tokens`` then covers the
-whole answer). A cancelled or timed-out request keeps the prompt plus the tokens generated before
-the last one, with no extra forward. A failed one keeps nothing.
+holds (``fed`` of the prompt + generated ids). A cancelled or timed-out request keeps what it fed
+so far, a part of the prompt included, with no extra forward. A failed one keeps nothing.
 
-Sampling: ``temperature == 0`` is greedy (argmax); otherwise softmax(logits / temperature),
-nucleus-filtered by ``top_p``, drawn with a generator seeded by ``seed`` (random when absent).
+Sampling: one ``sampling.Sampler.pick`` per sampling row and step, on this sequence's logits row
+(penalties, ``logit_bias``, temperature / ``top_p``, a generator seeded by ``seed``,
+log-probabilities); the entries it recorded go out with the text they belong to (``delta`` /
+``done`` events carry ``logprobs``).
+
+Choices (``n > 1``): choice 0 prefills the prompt once; the step that samples its first token
+forks its cache for each other choice (``TieredCache.fork``), each fork draws its own first token
+from the same logits with its own sampler, then runs as a sequence of its own (``worker.adopt``;
+a row of every later step), its events tagged ``index=i``. The store reservation
+(``job.reservation``, n caches) is split between them (``store.split``), each choice's share
+released when it ends; only choice 0 has a closing step and hands its cache back to the store
+(``store.put(..., release=)`` ends its share first, then the entry is counted).
 """
 
 from __future__ import annotations
 
-import random
+import dataclasses
 import time
 
 import torch
 
+from tiercache.serve.batch import Row
+from tiercache.serve.errors import APIError
+from tiercache.serve.sampling import Sampler
 from tiercache.serve.text import TextStream
 
 
-def pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """The next token from ``logits`` ``[V]``."""
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [V]
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)  # [V]
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p  # the smallest set reaching top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+def _tagged(emit, index: int):
+    return lambda kind, **data: emit(kind, index=index, **data)
 
 
 class Sequence:
-    def __init__(self, job, worker):
-        self.job, self.w = job, worker
+    def __init__(self, job, worker, choice: int = 0):
+        self.job, self.w, self.choice = job, worker, choice
         req = job.request
         self.cache = None
-        self.cached = 0
+        self.cached = 0  # prompt tokens reused from the store
+        self.fed = 0  # tokens of ids + generated whose K/V the cache holds
         self.generated: list[int] = []
         self.text = TextStream(worker.codec.decode, req.stop)
-        self.generator = torch.Generator(device=worker.device)
-        self.generator.manual_seed(req.seed % 2**63 if req.seed is not None else random.getrandbits(63))  # any int seeds
+        self.sampler = Sampler(req, worker.codec, worker.device, choice)
         self.done = False
+        self.closing = False
         self.finish_reason = None
         self.t_first = None
 
-    # -- steps -----------------------------------------------------------------------------------
-    def step(self) -> None:
-        if self.cache is None:
-            self._prefill()
-        else:
-            self._accept(self.w.forward([self.generated[-1]], self.cache))
+    @property
+    def prefilling(self) -> bool:
+        return not self.done and not self.generated
 
-    def _prefill(self) -> None:
+    # -- steps -----------------------------------------------------------------------------------
+    def row(self, budget: int) -> Row | None:
+        """This step's row: a prefill chunk of at most ``budget`` tokens, or one token."""
+        if self.done:
+            return None
+        if self.cache is None:
+            self._checkout()
+        if self.prefilling:
+            ids = self.job.ids[self.fed:self.fed + max(1, budget)]
+            return Row(self.cache, ids, sample=self.fed + len(ids) == len(self.job.ids), position=self.fed)
+        return Row(self.cache, [self.generated[-1]], sample=not self.closing, position=self.fed)
+
+    def advance(self, row: Row, logits: torch.Tensor | None) -> None:
+        """The forward fed ``row``: count it; sample from ``logits`` ``[V]`` when the row asked for them."""
+        self.fed += len(row.ids)
+        if self.prefilling:
+            self.w.count("prefilled_tokens", len(row.ids))
+        if self.closing:
+            return self.hand_back()
+        if row.sample:
+            if self.t_first is None:
+                self.t_first = time.perf_counter()
+                self.w.observe("ttft", self.t_first - self.job.submitted)
+                if self.job.request.n > 1 and not self.choice:
+                    self._fork_choices(logits)
+            self._accept(logits)
+
+    def _checkout(self) -> None:
         ids = self.job.ids
         cache, n = self.w.store.checkout(ids) if self.w.store is not None else (None, 0)
         if cache is None:
             cache, n = self.w.new_cache(len(ids) + self.job.max_tokens), 0
-        self.cache, self.cached = cache, n
-        logits = self.w.forward(ids[n:], cache)
-        self.w.count("prefilled_tokens", len(ids) - n)
-        self.t_first = time.perf_counter()
-        self.w.observe("ttft", self.t_first - self.job.submitted)
-        self._accept(logits)
+        self.cache, self.cached, self.fed = cache, n, n
+
+    def _fork_choices(self, logits: torch.Tensor) -> None:
+        n = self.job.request.n
+        children = []
+        try:
+            for i in range(1, n):
+                job = dataclasses.replace(self.job, reservation=None, emit=_tagged(self.job.emit, i))
+                child = Sequence(job, self.w, choice=i)
+                child.cache, child.cached, child.fed = self.cache.fork(), self.cached, self.fed
+                child.t_first = self.t_first
+                children.append(child)
+            # the worker releases each choice's share of the reservation when that choice ends
+            shares = self.w.store.split(self.job.reservation, n) if self.job.reservation is not None else ()
+        except Exception:  # this request fails whole; its full reservation is released with it
+            for child in children:
+                child._discard()
+            raise
+        for seq, share in zip([self, *children], shares):
+            seq.job.reservation, seq.job.need = share, share.need
+        for child in children:
+            try:
+                child._accept(logits)
+            except Exception as e:  # noqa: BLE001 - this choice fails (and with it the request)
+                child.stop("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error"))
+            self.w.adopt(child)
 
     def _accept(self, logits: torch.Tensor) -> None:
-        req = self.job.request
-        token = pick(logits, req.temperature, req.top_p, self.generator)
+        token = self.sampler.pick(logits)
         self.generated.append(token)
         if token in self.w.codec.eos_ids:
             return self._finish("stop")
         delta = self.text.push(token)
         if delta:
-            self.job.emit("delta", text=delta)
+            self.job.emit("delta", text=delta, **self.sampler.take())
         if self.text.stopped:
             return self._finish("stop")
         if len(self.generated) >= self.job.max_tokens:
@@ -93,39 +148,38 @@ class Sequence:
     def _finish(self, reason: str) -> None:
         tail = self.text.finish()
         if tail:
-            self.job.emit("delta", text=tail)
+            self.job.emit("delta", text=tail, **self.sampler.take())
         self.finish_reason = reason
-        self.job.emit("done", finish_reason=reason, usage=self.usage())
+        self.job.emit("done", finish_reason=reason, usage=self.usage(), **self.sampler.take())
         if len(self.generated) > 1:
             self.w.observe("decode", (len(self.generated) - 1) / max(time.perf_counter() - self.t_first, 1e-9))
-        self.hand_back(feed_last=True)
+        if self.w.store is not None and not self.choice:
+            self.closing = True  # the next step feeds the last token, then hands the cache back
+        else:
+            self.hand_back()
 
     def stop(self, reason: str, error=None) -> None:
-        """End early: ``error`` (an APIError) is sent; the cache is kept unless ``reason == 'error'``."""
+        """End early: ``error`` (an APIError) is sent unless the client already has its answer;
+        the cache is kept unless ``reason == 'error'``."""
         if self.done:
             return
-        if error is not None:
+        if error is not None and not self.closing:
             self.job.emit("error", error=error)
         if reason == "error":
             self._discard()
         else:
-            self.hand_back(feed_last=False)
+            self.hand_back()
 
-    def hand_back(self, feed_last: bool) -> None:
+    def hand_back(self) -> None:
+        """The cache goes to the store with the ``fed`` token ids it holds (closed without a store)."""
         self.done = True
         cache, self.cache = self.cache, None
         if cache is None:
             return
-        if self.w.store is None:
+        if self.w.store is None or self.choice or self.fed == 0:  # one entry per request: choice 0's
             return cache.close()
-        held = self.job.ids + self.generated[:-1]
-        if feed_last and self.generated:
-            try:
-                self.w.forward([self.generated[-1]], cache)
-                held = self.job.ids + self.generated
-            except Exception:  # noqa: BLE001 - keep what is consistent
-                return cache.close()
-        self.w.store.put(held, cache)
+        # the reservation ends first, then the entry is counted
+        self.w.store.put((self.job.ids + self.generated)[:self.fed], cache, release=self.job.reservation)
 
     def _discard(self) -> None:
         self.done = True

@@ -1,24 +1,29 @@
 """``tiercache serve``: build the model, store, worker and app from flags, and run uvicorn.
 
-    build(model, policy=None, store=None, no_store=False, persist=None, **worker_options) -> (app, parts)
+    build(model, policy=None, store=None, no_store=False, persist=None, api_key=None, **worker_options) -> (app, parts)
     main(args) -> exit code       (``tiercache.cli`` calls it with its parsed flags)
 
 ``--model`` is loaded by ``tiercache.models.load.load_model`` (``tiny``, ``tiny-random``, a path or a
 hub id), on CUDA when present. ``--policy`` is the serving policy (rung 0; default full
 precision); ``--store`` the budget and ladder (``configs/serve/store.yaml``; default ``config.DEFAULT``);
 ``--no-store`` keeps nothing between requests; ``--persist DIR`` saves entries on shutdown and
-loads them (checked) on start.
+loads them (checked) on start (``tiercache.serve.persist``): ``close_store`` saves only once the
+worker's thread has ended, and keeps on disk what the start refused. ``--api-key KEY`` (or
+``TIERCACHE_API_KEY``) makes every ``/v1`` route ask for ``Authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import sys
 
 log = logging.getLogger("tiercache.serve")
 
 
-def build(model: str, policy=None, store=None, no_store: bool = False, persist=None, device=None, **options):
+def build(model: str, policy=None, store=None, no_store: bool = False, persist=None, device=None, api_key=None,
+          **options):
     import torch
 
     from tiercache.models.load import load_model
@@ -41,18 +46,38 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
         prefix_store = PrefixStore([serving, *config.ladder], config.budget,
                                    lambda cache: cache.tier_nbytes(),
                                    block_size=config.block_size, min_match=config.min_match)
+        if config.remote is not None:  # the shared tier behind the local store
+            from tiercache.serve.remote import shared_store
+
+            prefix_store = shared_store(prefix_store, config, net, model, serving)
     metrics = Metrics()
     worker = Worker(net, codec, serving, model_name=model, store=prefix_store, metrics=metrics, **options)
     metrics.attach(worker, prefix_store)
     shutdown = None
-    if persist is not None and prefix_store is not None:
-        from tiercache.serve.persist import load_entries, save_entries
+    if prefix_store is not None:
+        keep = ()
+        if persist is not None:
+            from tiercache.serve.persist import load_entries
 
-        load_entries(prefix_store, persist, net.config, codec.vocab_size, worker.device)
-        shutdown = lambda: save_entries(prefix_store, persist)  # noqa: E731
-    elif prefix_store is not None:
-        shutdown = prefix_store.close
-    return create_app(worker, metrics, on_shutdown=shutdown), worker
+            keep = load_entries(prefix_store, persist, net.config, codec.vocab_size, worker.device).refused
+        shutdown = functools.partial(close_store, worker, prefix_store, persist, keep)
+    return create_app(worker, metrics, on_shutdown=shutdown, api_key=api_key or None), worker
+
+
+def close_store(worker, store, persist=None, keep=()) -> None:
+    """After ``worker.stop()``: save the entries (``--persist``) and close the store, only once the
+    worker's thread has ended. If it is still inside a step, nothing is saved or closed: the
+    previous persisted set stays as it was (logged)."""
+    if not worker.stopped:
+        log.error("shutdown: the worker has not stopped; %s", "nothing saved, the previous persisted set is kept"
+                  if persist is not None else "the store is left as it is")
+        return
+    if persist is not None:
+        from tiercache.serve.persist import save_entries
+
+        save_entries(store, persist, keep)
+    else:
+        store.close()
 
 
 def main(args) -> int:
@@ -68,13 +93,22 @@ def main(args) -> int:
     if args.persist is not None and args.no_store:
         print("tiercache serve: error: --persist needs the store; drop --no-store", file=sys.stderr)
         return 1
+    if args.step_tokens <= args.max_active:
+        print(f"tiercache serve: error: --step-tokens ({args.step_tokens}) must be more than --max-active "
+              f"({args.max_active}): a step holds one token of every decoding request plus a prefill chunk",
+              file=sys.stderr)
+        return 1
     try:
         app, worker = build(args.model, args.policy, args.store, args.no_store, args.persist,
-                            max_active=args.max_active, queue_size=args.queue_size, timeout=args.timeout)
+                            api_key=getattr(args, "api_key", None) or os.environ.get("TIERCACHE_API_KEY") or None,
+                            max_active=args.max_active, queue_size=args.queue_size, timeout=args.timeout,
+                            prefill_chunk=args.prefill_chunk, step_tokens=args.step_tokens)
     except (ModelLoadError, PolicyError) as e:
         print(f"tiercache serve: error: {e}", file=sys.stderr)
         return 1
-    log.info("serving %r on http://%s:%d (store: %s, context %d tokens)", args.model, args.host, args.port,
-             "off" if worker.store is None else "on", worker.context)
+    store_state = "off" if worker.store is None else "on" if not hasattr(worker.store, "tier") else "on, with Redis"
+    log.info("serving %r on http://%s:%d (store: %s, context %d tokens, API key: %s)", args.model, args.host,
+             args.port, store_state, worker.context,
+             "required" if getattr(args, "api_key", None) or os.environ.get("TIERCACHE_API_KEY") else "none")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

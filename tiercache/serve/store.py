@@ -9,17 +9,30 @@ Interface (the store knows caches and token ids, never a model)
     store.lookup(ids) -> int                  tokens a checkout would reuse; marks that entry used
     store.checkout(ids) -> (cache | None, n)  a cache holding exactly ``ids[:n]`` at rung 0, with
                                               ``n <= len(ids) - 1`` (one token is left to prefill)
-    store.put(ids, cache) -> bool             hand a finished cache back; ``cache.get_seq_length()``
-                                              must equal ``len(ids)``, else it is closed, not stored
-    store.reserve(need) / store.release(need) bytes per tier an active request may grow to;
-                                              ``reserve`` makes room, False when it cannot
-    store.stats() -> dict; store.entries() -> [(ids, cache, rung)]
-    store.put(ids, cache, rung, oldest=True)   (a cache loaded from disk: first in line to go)
+    store.put(ids, cache, release=None) -> bool
+                                              hand a finished cache back; ``cache.get_seq_length()``
+                                              must equal ``len(ids)``, else it is closed, not stored;
+                                              ``release``: the request's reservation, ended first
+    store.put(ids, cache, rung, oldest=True)  a cache loaded from disk: first in line to go
+    store.reserve(need, ids=None) -> Reservation | None
+                                              bytes per tier an active request may grow to, held
+                                              until released; ``ids``: its prompt (the entry it
+                                              will take is not counted twice); None: not now
+    store.release(reservation)                the request ended (a second release does nothing)
+    store.split(reservation, n) -> [Reservation] * n
+                                              a live reservation replaced by ``n`` whose needs add
+                                              up to its own, each released on its own (the ``n``
+                                              choices of one request, after its checkout)
+    store.stats() -> dict                     lock-free: the snapshot every change publishes
+    store.entries() -> [(ids, cache, rung)]   oldest first
     store.close()
+    store.on_evict = fn(ids, cache)           optional: called with an entry leaving the last rung,
+                                              before it is closed (the remote rung writes it out)
 
 What it asks of a cache: ``fork()`` (an independent copy), ``crop(n)`` (transformers' convention,
-negative removes ``-n`` tokens), ``retier(policy)`` (in place), ``nbytes()``, ``get_seq_length()``
-and ``close()``.
+negative removes ``-n`` tokens), ``retier(policy)`` (in place), ``release_transients()`` (free
+the buffers only a cache in use needs: called on every put, so an entry counts its own bytes),
+``get_seq_length()`` and ``close()``.
 
 Checkout: the entry sharing the longest prefix with ``ids`` (the least demoted, then the most
 recently used, when several do). When the request extends the whole entry (the next turn of a
@@ -30,14 +43,22 @@ retiered back to rung 0 before use. If that fails, the request prefills from scr
 copy leaves the entry as it was, a taken entry that cannot be brought back is dropped (logged).
 
 Put: entries whose ids are a prefix of the new ids are superseded and dropped (the new entry
-serves all they could). Then the budget is enforced: while a tier holds more than its budget
-(entries plus reservations), the least-recently-used entry holding bytes on that tier is
-demoted one rung, or evicted past the last rung. A failing ``retier`` evicts the entry (logged).
-All methods hold one lock; the worker thread calls them, the HTTP side only reads ``stats``.
+serves all they could). A put that ends a request's reservation (``release=``) ends it first.
+
+The budget (``docs/serving-store.md``). A tier's total is its entries' bytes plus what live
+reservations stand for: a reservation counts its need, and while the entry it will take is still
+stored, ``max(need, entry bytes)`` per tier for the two together (the need already covers that
+entry once taken). While a tier is over its budget, the least-recently-used entry holding bytes
+there (never one a reservation will take) is demoted one rung, or evicted past the last rung; a
+failing ``retier`` evicts (logged). ``reserve`` first checks that the reservations alone fit every
+tier: if they do not, it changes nothing and answers None (emptying the store would not help).
+All methods hold one lock; the worker thread calls them. ``stats()`` takes no lock: the HTTP side
+reads a snapshot that every change publishes (a scrape never waits for a retier).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -64,6 +85,15 @@ class Entry:
         return max(TIERS, key=lambda t: (self.bytes.get(t, 0), -TIERS.index(t)))
 
 
+@dataclass(eq=False)
+class Reservation:
+    """Bytes per tier an active request may grow to; ``entry``: the stored entry it will take out."""
+
+    need: dict
+    entry: Entry | None = None
+    released: bool = False
+
+
 class PrefixStore:
     def __init__(self, ladder, budget: dict, tier_bytes, block_size: int = 16, min_match: int = 16):
         if not ladder:
@@ -74,11 +104,23 @@ class PrefixStore:
         self.min_match = min_match
         self._trie = BlockTrie(block_size)
         self._lru: OrderedDict[Entry, None] = OrderedDict()  # oldest first
-        self._reserved = dict.fromkeys(TIERS, 0)
+        self._reservations: list[Reservation] = []  # live ones
         self._lock = threading.RLock()
         self._clock = itertools.count(1)
+        self.on_evict = None  # fn(ids, cache): an entry evicted past the last rung (remote/store.py)
         self.counters = dict.fromkeys(("hits", "misses", "cached_tokens", "demotions", "evictions",
                                        "superseded", "rejected"), 0)
+        self._snapshot: dict = {}
+        self._publish()
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The lock, and a fresh snapshot for ``stats()`` when the change is done."""
+        with self._lock:
+            try:
+                yield
+            finally:
+                self._publish()
 
     # -- lookups ---------------------------------------------------------------------------------
     def _best(self, ids) -> tuple[Entry | None, int]:
@@ -93,14 +135,14 @@ class PrefixStore:
         self._lru.move_to_end(entry)
 
     def lookup(self, ids) -> int:
-        with self._lock:
+        with self._locked():
             entry, use = self._best(ids)
             if entry is not None:
                 self._touch(entry)
             return use
 
     def checkout(self, ids):
-        with self._lock:
+        with self._locked():
             entry, use = self._best(ids)
             if entry is None:
                 return self._miss()
@@ -136,9 +178,11 @@ class PrefixStore:
         return None, 0
 
     # -- hand back -------------------------------------------------------------------------------
-    def put(self, ids, cache, rung: int = 0, oldest: bool = False) -> bool:
+    def put(self, ids, cache, rung: int = 0, oldest: bool = False, release: Reservation | None = None) -> bool:
         ids = tuple(int(i) for i in ids)
-        with self._lock:
+        with self._locked():
+            if release is not None:
+                self.release(release)
             if cache.get_seq_length() != len(ids) or not ids:
                 log.error("store: refusing a cache of %d tokens recorded with %d token ids",
                           cache.get_seq_length(), len(ids))
@@ -150,6 +194,7 @@ class PrefixStore:
                 if old.cache is not cache:
                     old.cache.close()
                 self.counters["superseded"] += 1
+            cache.release_transients()  # workspace, prefetch slots: not part of what is kept
             entry = Entry(ids, cache, rung, self.tier_bytes(cache), 0 if oldest else next(self._clock))
             self._trie.insert(ids, entry)
             self._lru[entry] = None
@@ -159,35 +204,81 @@ class PrefixStore:
             return entry in self._lru
 
     # -- budget ----------------------------------------------------------------------------------
-    def reserve(self, need: dict) -> bool:
-        with self._lock:
-            for t in TIERS:
-                self._reserved[t] += need.get(t, 0)
-            if self._enforce():
-                return True
-            self.release(need)
-            return False
+    def reserve(self, need: dict, ids=None) -> Reservation | None:
+        with self._locked():
+            r = Reservation({t: int(need.get(t, 0)) for t in TIERS})
+            if ids is not None:
+                entry, use = self._best(ids)
+                if entry is not None:
+                    self._touch(entry)  # the entry it will use goes last in the LRU line
+                    if use == len(entry.ids) and entry not in self._pinned():
+                        r.entry = entry  # it will be taken: counted with the need, never demoted meanwhile
+            self._reservations.append(r)
+            if not self._floor_fits() or not self._enforce():
+                self._reservations.remove(r)  # reservations alone do not fit: nothing is touched
+                return None
+            return r
 
-    def release(self, need: dict) -> None:
-        with self._lock:
+    def release(self, reservation: Reservation) -> None:
+        with self._locked():
+            if not isinstance(reservation, Reservation):
+                raise TypeError(f"release() takes the Reservation that reserve() returned, got {reservation!r}")
+            if not reservation.released:
+                reservation.released = True
+                self._reservations.remove(reservation)
+
+    def split(self, reservation: Reservation, n: int) -> list[Reservation]:
+        """``reservation`` ends and ``n`` take its place, their needs adding up to its need exactly.
+        Called once the request's checkout is done: no part stands for a stored entry."""
+        with self._locked():
+            if not isinstance(reservation, Reservation):
+                raise TypeError(f"split() takes the Reservation that reserve() returned, got {reservation!r}")
+            if reservation.released:
+                raise ValueError("split() of a reservation already released")
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"split() into {n!r} parts; a positive int is allowed")
+            need = reservation.need
+            parts = [Reservation({t: v // n + (i < v % n) for t, v in need.items()}) for i in range(n)]
+            at = self._reservations.index(reservation)
+            self._reservations[at:at + 1] = parts
+            reservation.released = True
+            self._enforce()  # an entry it stood for, if still stored, now counts on its own
+            return parts
+
+    def _floor_fits(self) -> bool:
+        """Whether the reservations alone fit every tier (what no demotion or eviction can lower)."""
+        floor = self._held()
+        return all(self.budget[t] is None or floor[t] <= self.budget[t] for t in TIERS)
+
+    def _pinned(self) -> set:
+        return {r.entry for r in self._reservations if r.entry is not None and r.entry in self._lru}
+
+    def _held(self) -> dict:
+        """What live reservations stand for, per tier (with the entries they will take)."""
+        totals = dict.fromkeys(TIERS, 0)
+        for r in self._reservations:
+            e = r.entry.bytes if r.entry is not None and r.entry in self._lru else {}
             for t in TIERS:
-                self._reserved[t] = max(0, self._reserved[t] - need.get(t, 0))
+                totals[t] += max(r.need.get(t, 0), e.get(t, 0))
+        return totals
 
     def _totals(self) -> dict:
-        totals = dict(self._reserved)
+        totals, pinned = self._held(), self._pinned()
         for e in self._lru:
-            for t in TIERS:
-                totals[t] += e.bytes.get(t, 0)
+            if e not in pinned:
+                for t in TIERS:
+                    totals[t] += e.bytes.get(t, 0)
         return totals
 
     def _enforce(self) -> bool:
-        """Demote / evict LRU entries until every tier fits; False if reservations alone do not."""
+        """Demote / evict LRU entries until every tier fits; False if what is left cannot be moved."""
         while True:
             totals = self._totals()
             over = [t for t in TIERS if self.budget[t] is not None and totals[t] > self.budget[t]]
             if not over:
                 return True
-            victim = next((e for e in self._lru if any(e.bytes.get(t, 0) > 0 for t in over)), None)
+            pinned = self._pinned()
+            victim = next((e for e in self._lru if e not in pinned and any(e.bytes.get(t, 0) > 0 for t in over)), None)
             if victim is None:
                 return False
             self._demote(victim)
@@ -204,6 +295,11 @@ class PrefixStore:
                 log.error("store: demoting an entry of %d tokens to rung %d failed (%s); evicting it",
                           len(entry.ids), entry.rung + 1, e)
         self._remove(entry)
+        if self.on_evict is not None:
+            try:
+                self.on_evict(entry.ids, entry.cache)
+            except Exception as e:  # noqa: BLE001 - the eviction goes on
+                log.error("store: handing an evicted entry of %d tokens on failed (%s)", len(entry.ids), e)
         entry.cache.close()
         self.counters["evictions"] += 1
 
@@ -212,16 +308,23 @@ class PrefixStore:
         self._lru.pop(entry, None)
 
     # -- reporting -------------------------------------------------------------------------------
+    def _publish(self) -> None:
+        entries = dict.fromkeys(TIERS, 0)
+        stored = dict.fromkeys(TIERS, 0)
+        reserved = dict.fromkeys(TIERS, 0)
+        for e in self._lru:
+            entries[e.tier] += 1
+            for t in TIERS:
+                stored[t] += e.bytes.get(t, 0)
+        for r in self._reservations:
+            for t in TIERS:
+                reserved[t] += r.need.get(t, 0)
+        self._snapshot = {"entries": entries, "bytes": stored, "reserved": reserved, "budget": dict(self.budget),
+                          **self.counters}  # one assignment: readers see all or none
+
     def stats(self) -> dict:
-        with self._lock:
-            entries = dict.fromkeys(TIERS, 0)
-            stored = dict.fromkeys(TIERS, 0)
-            for e in self._lru:
-                entries[e.tier] += 1
-                for t in TIERS:
-                    stored[t] += e.bytes.get(t, 0)
-            return {"entries": entries, "bytes": stored, "reserved": dict(self._reserved),
-                    "budget": dict(self.budget), **self.counters}
+        """The state after the last change, without waiting for one in progress (no lock)."""
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in self._snapshot.items()}
 
     def entries(self) -> list:
         with self._lock:
@@ -231,7 +334,7 @@ class PrefixStore:
         return len(self._lru)
 
     def close(self) -> None:
-        with self._lock:
+        with self._locked():
             for e in list(self._lru):
                 self._remove(e)
                 e.cache.close()

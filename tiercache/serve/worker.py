@@ -1,25 +1,34 @@
 """The model worker: one thread owns the model and runs every forward pass.
 
-    worker = Worker(model, codec, policy, model_name="tiny", store=store, max_active=4,
-                    queue_size=32, timeout=600.0, metrics=None)
+    worker = Worker(model, codec, policy, model_name="tiny", store=store, max_active=8,
+                    queue_size=32, timeout=600.0, metrics=None, prefill_chunk=256, step_tokens=512)
     worker.start()
     job = worker.prepare(request, emit)    # tokenize and check (APIError 400/404), no model work
     worker.submit(job)                     # APIError 429 (with Retry-After) when the queue is full
     job.cancel()                           # the client went away: stops at the next token
-    worker.stop()
+    worker.stop() -> bool                  True once the thread has ended (``worker.stopped``)
 
 ``emit(kind, **data)`` is called on the worker thread: ``("delta", text=...)``, then
 ``("done", finish_reason=..., usage=...)``, or ``("error", error=APIError)``.
 
-Scheduling: up to ``max_active`` sequences are active; each turn of the loop advances every
-active one by one step (a prefill or one decoded token), so a long answer does not hold the
-others back. That loop is where a batched forward of several conversations would go. A job is
-admitted when the store can reserve the bytes its cache may grow to (prompt + max_tokens, from
-the planner); until then it waits at the head of the queue. A request whose cache cannot fit the
-budget even alone is refused by ``prepare``, before any work.
+Scheduling: up to ``max_active`` sequences are active. Each turn of the loop is one *step*: one
+forward of the model over every active sequence (``tiercache.serve.batch.run_rows``: the rows
+are packed into one input, attention runs per sequence against its own ``TieredCache``). A step
+holds one token of every decoding sequence plus at most one prefill chunk: the oldest sequence
+still prefilling feeds ``min(prefill_chunk, step_tokens - decoding rows)`` more of its prompt
+(after the store's prefix reuse), so a long prompt arrives a chunk per step and never freezes
+the streams already running. A job is admitted when the store can reserve the bytes its cache
+may grow to (prompt + max_tokens, from the planner; ``job.reservation``); until then it waits at
+the head of the queue. The reservation ends when the cache goes back to the store
+(``store.put(..., release=)``: first the reservation, then the entry is counted) or, for a request
+that stores nothing, when it leaves the active set (``_retire``). The ``n`` choices of one request
+split it (``store.split``; ``adopt`` takes the forked ones, rows from the next step on). A request
+whose cache cannot fit the budget even alone is refused by ``prepare``, before any work.
 
 Timeouts: a job past ``timeout`` seconds since submission stops with a 504 error (what it had
-computed is kept in the store). Any exception in a step fails only that request (500).
+computed is kept in the store). An exception in one sequence's part of a step (its cache update,
+its attention, its sampling) fails only that request (500); an exception of the step's forward
+as a whole fails the requests of that step (no cache it touched can be trusted).
 """
 
 from __future__ import annotations
@@ -30,13 +39,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from tiercache.serve.batch import run_rows
 from tiercache.serve.errors import APIError
 from tiercache.serve.protocol import DEFAULT_MAX_TOKENS, Request
 from tiercache.serve.sequence import Sequence
 
 log = logging.getLogger("tiercache.serve")
+
+PREFILL_CHUNK = 256  # prompt tokens one step feeds at most (a laptop CPU: ~20-60 ms on a 135M model)
+STEP_TOKENS = 512  # tokens one step feeds at most: decoding tokens + the prefill chunk
 
 
 @dataclass(eq=False)
@@ -49,6 +60,7 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     deadline: float = float("inf")
     cancelled: threading.Event = field(default_factory=threading.Event)
+    reservation: object = None  # the store's Reservation while admitted
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -63,8 +75,9 @@ def context_length(model, policy) -> int:
 
 
 class Worker:
-    def __init__(self, model, codec, policy, *, model_name: str, store=None, max_active: int = 4,
-                 queue_size: int = 32, timeout: float = 600.0, metrics=None, prefill_chunk: int = 4096):
+    def __init__(self, model, codec, policy, *, model_name: str, store=None, max_active: int = 8,
+                 queue_size: int = 32, timeout: float = 600.0, metrics=None, prefill_chunk: int = PREFILL_CHUNK,
+                 step_tokens: int = STEP_TOKENS):
         from tiercache.models.spec import ModelSpec
 
         self.model, self.codec, self.policy, self.store = model, codec, policy, store
@@ -73,7 +86,13 @@ class Worker:
         self.device = next(model.parameters()).device
         self.context = context_length(model, policy)
         self.max_active, self.timeout, self.metrics = max_active, timeout, metrics
-        self.prefill_chunk = prefill_chunk
+        for name, n in (("prefill_chunk", prefill_chunk), ("step_tokens", step_tokens), ("max_active", max_active)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {n!r}")
+        if step_tokens <= max_active:
+            raise ValueError(f"step_tokens ({step_tokens}) must be more than max_active ({max_active}): a step holds "
+                             "one token of every decoding request and still needs room for a prefill chunk")
+        self.prefill_chunk, self.step_tokens = prefill_chunk, step_tokens
         self.counters = {"prefilled_tokens": 0, "requests": 0, "failed": 0}
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self._waiting: Job | None = None
@@ -109,21 +128,22 @@ class Worker:
             raise APIError(400, f"max_tokens {max_tokens} is past the context: the prompt has {len(ids)} tokens and "
                            f"the context is {self.context}, so max_tokens may be at most {room}",
                            param="max_tokens", code="context_length_exceeded")
-        need = self._need(len(ids) + max_tokens)
+        need = self._need(len(ids) + max_tokens, request.n)
         job = Job(request, ids, max_tokens, need, emit)
         job.deadline = job.submitted + self.timeout
         return job
 
-    def _need(self, tokens: int) -> dict:
+    def _need(self, tokens: int, copies: int = 1) -> dict:
         if self.store is None:
             return {}
         from tiercache.planner.api import human, plan
 
-        need = {t: int(n) for t, n in plan(self.policy, self.spec, 1, tokens).bytes.items()}
+        need = {t: int(n) * copies for t, n in plan(self.policy, self.spec, 1, tokens).bytes.items()}
         for tier, n in need.items():
             budget = self.store.budget.get(tier)
             if budget is not None and n > budget:
-                raise APIError(400, f"this request's KV cache ({tokens} tokens: prompt + max_tokens) needs "
+                caches = f"{copies} KV caches (n)" if copies > 1 else "KV cache"
+                raise APIError(400, f"this request's {caches} ({tokens} tokens: prompt + max_tokens) needs "
                                f"{human(n)} on the {tier} tier, more than the store's whole {tier} budget of "
                                f"{human(budget)}; lower max_tokens, shorten the conversation or raise the budget",
                                param="max_tokens", code="kv_budget_exceeded")
@@ -151,10 +171,21 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the loop (active requests end cancelled, kept in the store; queued ones get 503).
+        True when the thread has ended; False when it is still inside a step after ``timeout``
+        seconds: then the caches may still change, and nothing may save or close the store."""
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self.stopped:
+            log.error("the worker is still running %gs after the stop (inside a forward?)", timeout)
+        return self.stopped
+
+    @property
+    def stopped(self) -> bool:
+        """The thread has ended (or never started): no step is running and none will."""
+        return not self._thread.is_alive()
 
     # -- what sequences call ---------------------------------------------------------------------
     def new_cache(self, tokens: int):
@@ -162,13 +193,12 @@ class Worker:
 
         return TieredCache.from_policy(self.policy, self.model.config, context_length=tokens)
 
-    def forward(self, ids, cache) -> torch.Tensor:
-        """Feed ``ids`` after what ``cache`` holds; the logits of the last one, ``[V]``."""
-        with torch.no_grad():
-            for start in range(0, len(ids), self.prefill_chunk):
-                x = torch.tensor([ids[start:start + self.prefill_chunk]], dtype=torch.long, device=self.device)  # [1, T]
-                out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]  # [V]
+    def adopt(self, seq: Sequence) -> None:
+        """A sequence forked by an active one (a choice of ``n``): runs from the next turn on."""
+        if not seq.done:
+            self._active.append(seq)
+        elif seq.job.reservation is not None:
+            self.store.release(seq.job.reservation)
 
     def count(self, name: str, n: int) -> None:
         self.counters[name] += n
@@ -188,8 +218,7 @@ class Worker:
                     except queue.Empty:
                         pass
                 continue
-            for seq in list(self._active):
-                self._advance(seq)
+            self._step()
         self._drain()
 
     def _admit(self) -> None:
@@ -219,8 +248,8 @@ class Worker:
                                              code="timeout"))
             return True
         if self.store is not None:
-            self.store.lookup(job.ids)  # the entry it will use goes last in the LRU line
-            if not self.store.reserve(job.need):
+            job.reservation = self.store.reserve(job.need, job.ids)  # the entry it will take is counted once
+            if job.reservation is None:
                 if self._active:  # room comes back when an active request finishes
                     return False
                 job.emit("error", error=APIError(507, "not enough room in the store's budget for this request",
@@ -229,28 +258,75 @@ class Worker:
         self._active.append(Sequence(job, self))
         return True
 
-    def _advance(self, seq: Sequence) -> None:
-        job = seq.job
-        try:
+    def _step(self) -> None:
+        """One forward over every active sequence (see the module docstring)."""
+        now = time.perf_counter()
+        for seq in list(self._active):
+            job = seq.job
             if job.cancelled.is_set():
-                seq.stop("cancelled")
-            elif time.perf_counter() > job.deadline:
-                seq.stop("timeout", APIError(504, f"the request timed out after {self.timeout:g}s", code="timeout"))
+                self._guard(seq, lambda s: s.stop("cancelled"))
+            elif now > job.deadline:
+                self._guard(seq, lambda s: s.stop("timeout", APIError(504, f"the request timed out after "
+                                                                      f"{self.timeout:g}s", code="timeout")))
+        decoding = [s for s in self._active if not s.prefilling]
+        prefilling = next((s for s in self._active if s.prefilling), None)
+        budget = min(self.prefill_chunk, self.step_tokens - len(decoding))
+        rows, seqs = [], []
+        for seq in decoding + ([prefilling] if prefilling is not None else []):
+            row = self._guard(seq, lambda s: s.row(budget))
+            if row is not None:
+                rows.append(row)
+                seqs.append(seq)
+        if not rows:
+            return
+        try:
+            out = run_rows(self.model, rows)
+        except Exception as e:  # noqa: BLE001 - the step failed as a whole: its requests fail
+            log.exception("a step of %d requests failed", len(rows))
+            for seq in seqs:
+                self._fail(seq, e)
+            return
+        sampled = 0
+        for i, (seq, row) in enumerate(zip(seqs, rows)):
+            logits = None
+            if row.sample:
+                logits, sampled = out.logits[sampled], sampled + 1
+            if i in out.failed:
+                log.error("request failed in its part of a step", exc_info=out.failed[i])
+                self._fail(seq, out.failed[i])
             else:
-                seq.step()
+                self._guard(seq, lambda s: s.advance(row, logits))
+
+    def _guard(self, seq: Sequence, op):
+        """``op(seq)``; an exception fails only ``seq``; a finished ``seq`` leaves the active set."""
+        result = None
+        try:
+            result = op(seq)
         except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
             log.exception("request failed")
-            self.counters["failed"] += 1
+            self._fail(seq, e)
+        self._retire(seq)
+        return result
+
+    def _fail(self, seq: Sequence, e: BaseException) -> None:
+        if not seq.done:
+            if not seq.closing:  # a closing request has its whole answer: only its entry is lost
+                self.counters["failed"] += 1
             seq.stop("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error"))
-        if seq.done:
+        self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        if seq.done and seq in self._active:
             self._active.remove(seq)
-            if self.store is not None:
-                self.store.release(job.need)
+            if seq.job.reservation is not None:
+                self.store.release(seq.job.reservation)  # nothing if its put ended it already
 
     def _drain(self) -> None:
         err = APIError(503, "the server is shutting down", code="shutting_down")
         for seq in self._active:
             seq.stop("cancelled", err)
+            if seq.job.reservation is not None:
+                self.store.release(seq.job.reservation)
         self._active.clear()
         pending = [self._waiting] if self._waiting is not None else []
         while True:

@@ -1,0 +1,156 @@
+"""One chunk of K/V as one checksummed blob: header, payload, sha256. Nothing is pickled.
+
+    fmt = ChunkFormat(spec, dtype, quantize=None)   spec: the model's ``ModelSpec``; quantize: a
+                                                    native ``QuantizePolicy`` or None (the dtype as is)
+    fmt.name                                        "fp-float32", "int4-g64-1a2b3c4d": part of every key
+    blob = fmt.encode(kv, key)                      kv: per layer ``(k, v)``, each ``[1, H, C, D]``
+    kv = fmt.decode(blob, key, device="cpu")        the same shapes, ``ChunkError`` when anything is off
+    fmt.bytes_per_token()                           payload bytes per token (the wire cost, no header)
+
+Blob layout::
+
+    b"TCKV" | u32 little-endian header length | header (JSON, utf-8) | payload | sha256 (32 bytes)
+
+The sha256 covers everything before it. The header: ``version`` (1), ``key`` (the Redis key the
+blob was written under: a value moved to another key is refused), ``format`` (``fmt.name``),
+``codec`` (``raw`` | ``native``), ``dtype``, ``tokens`` (C), ``layers`` (``[H, Dk, Dv]`` per layer),
+``payload`` (its length), and for ``native`` the block format (bits, group size, axes ...).
+Payload, layer by layer, keys then values: ``raw`` is the tensor's bytes ``[1, H, C, D]``;
+``native`` is the packed rows ``[1, H, C / G, row_bytes]`` of ``tiercache.quantize.blocks``
+(codes, then scale and offset in the model dtype, per block of G tokens): quantized chunks
+travel packed and are dequantized by the reader.
+
+``decode`` checks, in order: magic, lengths, checksum, version, key, format, dtype, tokens,
+layer shapes, payload length; the first failure is a ``ChunkError`` saying which. A chunk that
+fails is a miss for the caller, never a wrong prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+
+import torch
+
+MAGIC, VERSION = b"TCKV", 1
+_DIGEST = 32
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ChunkError(ValueError):
+    """A blob that is not a valid chunk for this key and format (corrupted, truncated, foreign)."""
+
+
+class ChunkFormat:
+    def __init__(self, spec, dtype: torch.dtype, quantize=None):
+        from tiercache.quantize.blocks import Codec
+        from tiercache.quantize.codec import CodecSpec
+
+        names = {v: k for k, v in _DTYPES.items()}
+        if dtype not in names:
+            raise ValueError(f"remote chunks: K/V dtype {dtype} is not supported; allowed: {', '.join(_DTYPES)}")
+        self.dtype, self.dtype_name = dtype, names[dtype]
+        self.shapes = [list(spec.kv_shape(i)) for i in range(spec.num_layers)]  # [H, Dk, Dv] per layer
+        self.quantize = quantize
+        if quantize is None:
+            self.codec_header = {"codec": "raw"}
+            self.name = f"fp-{self.dtype_name}"
+            self._codecs = None
+        else:
+            cspec = CodecSpec.of(quantize)
+            desc = dataclasses.asdict(cspec)
+            self.codec_header = {"codec": "native", "block": desc}
+            digest = hashlib.sha256(json.dumps({**desc, "dtype": self.dtype_name}, sort_keys=True).encode()).hexdigest()
+            self.name = f"int{cspec.bits}-g{cspec.group_size}-{digest[:8]}"
+            codec = Codec(cspec)
+            self._codecs = [codec.for_kv(dk, dv, dtype) for _, dk, dv in self.shapes]  # (keys, values) per layer
+
+    # -- sizes -----------------------------------------------------------------------------------
+    def _part_bytes(self, layer: int, which: int, tokens: int) -> int:
+        h, dk, dv = self.shapes[layer]
+        d = (dk, dv)[which]
+        if self._codecs is None:
+            return h * tokens * d * self.dtype.itemsize
+        bc = self._codecs[layer][which]
+        return h * (tokens // bc.g) * bc.row_bytes
+
+    def payload_bytes(self, tokens: int) -> int:
+        return sum(self._part_bytes(i, w, tokens) for i in range(len(self.shapes)) for w in (0, 1))
+
+    def bytes_per_token(self) -> float:
+        g = 1 if self._codecs is None else self._codecs[0][0].g
+        return self.payload_bytes(g) / g
+
+    # -- encode ----------------------------------------------------------------------------------
+    def encode(self, kv, key: str) -> bytes:
+        if len(kv) != len(self.shapes):
+            raise ValueError(f"encode: {len(kv)} layers given, the model has {len(self.shapes)}")
+        tokens = kv[0][0].shape[2]
+        parts = []
+        for i, pair in enumerate(kv):
+            for w, t in enumerate(pair):  # [1, H, C, D]
+                want = (1, self.shapes[i][0], tokens, self.shapes[i][1 + w])
+                if tuple(t.shape) != want or t.dtype != self.dtype:
+                    raise ValueError(f"encode: layer {i} {'kv'[w]} is {tuple(t.shape)} {t.dtype}, expected {want} "
+                                     f"{self.dtype}")
+                if self._codecs is not None:
+                    t = self._codecs[i][w].encode(t)  # [1, H, C / G, row_bytes] uint8, packed
+                parts.append(_raw(t))
+        header = {"version": VERSION, "key": key, "format": self.name, **self.codec_header,
+                  "dtype": self.dtype_name, "tokens": tokens, "layers": self.shapes,
+                  "payload": sum(len(p) for p in parts)}
+        head = json.dumps(header, sort_keys=True).encode()
+        body = b"".join([MAGIC, struct.pack("<I", len(head)), head, *parts])
+        return body + hashlib.sha256(body).digest()
+
+    # -- decode ----------------------------------------------------------------------------------
+    def decode(self, blob: bytes, key: str, device="cpu"):
+        if len(blob) < len(MAGIC) + 4 + _DIGEST or blob[:4] != MAGIC:
+            raise ChunkError("not a tiercache chunk (bad magic or too short)")
+        (n,) = struct.unpack_from("<I", blob, 4)
+        start = 8 + n
+        if start + _DIGEST > len(blob):
+            raise ChunkError(f"truncated: header of {n} bytes in a blob of {len(blob)}")
+        if hashlib.sha256(memoryview(blob)[:-_DIGEST]).digest() != blob[-_DIGEST:]:
+            raise ChunkError("checksum mismatch (the value was altered or torn)")
+        try:
+            header = json.loads(blob[8:start].decode())
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ChunkError(f"unreadable header: {e}") from e
+        tokens = header.get("tokens")
+        expect = {"version": VERSION, "key": key, "format": self.name, "dtype": self.dtype_name, "layers": self.shapes,
+                  **self.codec_header}
+        for field, want in expect.items():
+            if header.get(field) != want:
+                raise ChunkError(f"header {field} is {header.get(field)!r}, expected {want!r}")
+        if not isinstance(tokens, int) or tokens < 1:
+            raise ChunkError(f"header tokens is {tokens!r}")
+        size = self.payload_bytes(tokens)
+        if header.get("payload") != size or len(blob) - _DIGEST - start != size:
+            raise ChunkError(f"payload is {len(blob) - _DIGEST - start} bytes, {size} expected for {tokens} tokens")
+        buf = bytearray(memoryview(blob)[start:start + size])  # one copy: the tensors below are views of it
+        at, out = 0, []
+        for i, (h, dk, dv) in enumerate(self.shapes):
+            pair = []
+            for w, d in enumerate((dk, dv)):
+                nb = self._part_bytes(i, w, tokens)
+                if self._codecs is None:
+                    t = torch.frombuffer(buf, dtype=self.dtype, count=nb // self.dtype.itemsize, offset=at)
+                    pair.append(t.view(1, h, tokens, d).to(device))  # [1, H, C, D]
+                else:
+                    bc = self._codecs[i][w]
+                    rows = torch.frombuffer(buf, dtype=torch.uint8, count=nb, offset=at)
+                    rows = rows.view(1, h, tokens // bc.g, bc.row_bytes).to(device)  # [1, H, C / G, row]
+                    x = torch.empty((1, h, tokens, d), dtype=self.dtype, device=device)  # [1, H, C, D]
+                    bc.decode_plain(rows, x, remember=False)
+                    pair.append(x)
+                at += nb
+            out.append(tuple(pair))
+        return out
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,121 @@
+"""The next token of ONE sequence from its logits row: ``Sampler(request, codec, device, choice=0)``.
+
+    sampler = Sampler(req, codec, device, choice=i)   # per choice of a request (``n``)
+    token = sampler.pick(logits)      # logits: [V], the model's last position for this sequence
+    sampler.take() -> {"logprobs": [...]} or {}   # entries picked since the last take (to emit)
+
+What ``pick`` does, in OpenAI's order:
+
+1. penalties over the tokens this choice has generated so far (the prompt does not count):
+   ``logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)``;
+2. ``logit_bias``: ``logit[j] += bias[j]`` (-100 bans a token, +100 all but forces it);
+3. ``temperature == 0``: the argmax; otherwise softmax(logits / temperature), nucleus-filtered by
+   ``top_p``, drawn with this choice's ``torch.Generator``. The generator is seeded from
+   ``(seed, choice)`` (random when ``seed`` is absent): the same seed gives the same answer, and
+   the choices of one request differ from each other.
+
+Log-probabilities (``req.logprobs`` = the number of alternatives asked for, ``None`` = none)
+are ``log_softmax`` of the logits after steps 1-2 at temperature 1 (before temperature and
+``top_p``): what the model, penalties and bias make of each token. An entry is
+``{"id", "token", "logprob", "bytes", "top": [(id, token, logprob, bytes), ...]}``; an
+end-of-sequence token gets none (it is not part of the answer). ``token_text(codec, id)`` is a
+token's own text and bytes (a byte-level token that is half a character reads ``\\ufffd`` and
+keeps its true byte).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import torch
+
+MAX_TOP_LOGPROBS = 20
+
+
+def seed_for(seed: int | None, choice: int) -> int:
+    """The generator seed of choice ``choice``: ``seed`` itself for choice 0, a hash of both otherwise."""
+    if seed is None:
+        return random.getrandbits(63)
+    if choice == 0:
+        return seed % 2**63  # any int seeds (negative, past 64 bits)
+    digest = hashlib.sha256(f"{seed}/{choice}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 2**63
+
+
+def token_text(codec, token: int) -> tuple[str, list[int]]:
+    """``(text, utf-8 bytes)`` of one token id."""
+    if codec.byte_level:
+        raw = bytes([token]) if token < 256 else b""
+        return codec.decode([token]), list(raw)
+    text = codec.decode([token])
+    return text, list(text.encode("utf-8"))
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` [V] with everything outside the smallest set reaching ``top_p`` zeroed."""
+    sorted_p, order = torch.sort(probs, descending=True)  # [V]
+    keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+    return torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+
+
+class Sampler:
+    def __init__(self, req, codec, device, choice: int = 0):
+        self.temperature, self.top_p = req.temperature, req.top_p
+        self.presence, self.frequency = req.presence_penalty, req.frequency_penalty
+        self.bias = dict(req.logit_bias)  # token id -> added logit
+        self.top = req.logprobs  # None: no log-probabilities
+        self.codec = codec
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed_for(req.seed, choice))
+        self.counts: torch.Tensor | None = None  # [V] tokens generated so far (penalties)
+        self._bias_row: torch.Tensor | None = None  # [V]
+        self.pending: list[dict] = []
+
+    def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()  # [V]
+        if self.counts is not None:  # penalties, once a token has been generated
+            logits = logits - self.frequency * self.counts - self.presence * (self.counts > 0).float()
+        if self.bias:
+            if self._bias_row is None:
+                self._bias_row = torch.zeros_like(logits)
+                ids = torch.tensor(list(self.bias), dtype=torch.long, device=logits.device)
+                vals = torch.tensor(list(self.bias.values()), dtype=torch.float32, device=logits.device)
+                self._bias_row[ids] = vals
+            logits = logits + self._bias_row
+        return logits
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token from ``logits`` [V]; records its log-probabilities when asked for."""
+        adjusted = self._adjusted(logits)  # [V]
+        if self.temperature == 0:
+            token = int(torch.argmax(adjusted))
+        else:
+            probs = torch.softmax(adjusted / self.temperature, dim=-1)  # [V]
+            if self.top_p < 1.0:
+                probs = nucleus(probs, self.top_p)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        if self.presence or self.frequency:
+            if self.counts is None:
+                self.counts = torch.zeros_like(adjusted)
+            self.counts[token] += 1
+        if self.top is not None and token not in self.codec.eos_ids:
+            self.pending.append(self._entry(torch.log_softmax(adjusted, dim=-1), token))
+        return token
+
+    def _entry(self, logprobs: torch.Tensor, token: int) -> dict:
+        text, raw = token_text(self.codec, token)
+        top = []
+        if self.top:
+            values, ids = torch.topk(logprobs, min(self.top, logprobs.shape[-1]))
+            for lp, i in zip(values.tolist(), ids.tolist()):
+                alt_text, alt_raw = token_text(self.codec, i)
+                top.append((i, alt_text, lp, alt_raw))
+        return {"id": token, "token": text, "logprob": float(logprobs[token]), "bytes": raw, "top": top}
+
+    def take(self) -> dict:
+        """``{"logprobs": entries}`` picked since the last take (``{}`` when none were asked for)."""
+        if self.top is None:
+            return {}
+        out, self.pending = self.pending, []
+        return {"logprobs": out}
