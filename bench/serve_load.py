@@ -100,6 +100,16 @@ def concurrent(server, model: str, n: int, prompts: list, decode: int, meter: Cp
     return {"wall": tokens / (end - start), "cpu": tokens / cpu if cpu else None, "tokens": tokens}
 
 
+def _x(a, b, spec: str = ".2f") -> str:
+    """``a / b`` formatted, or ``n/a`` when a CPU reading is missing (a window too short for the
+    kernel's clock ticks, as in a smoke run)."""
+    return format(a / b, spec) if a and b else "n/a"
+
+
+def _median(values: list):
+    return statistics.median(values) if values else None
+
+
 def scenario_concurrency(args, tmp: Path) -> dict:
     server = LiveServer("--model", args.model, "--no-store", "--max-active", "8", log_dir=tmp,
                         threads=args.threads).wait_ready()
@@ -111,19 +121,19 @@ def scenario_concurrency(args, tmp: Path) -> dict:
         for rep in range(args.repeats):
             row = {n: concurrent(server, args.model, n, prompts, args.decode, meter) for n in (1, 2, 4, 8)}
             runs.append(row)
-            print(f"  repeat {rep + 1}: alone {row[1]['wall']:.1f} tok/s ({row[1]['cpu']:.1f} per CPU-s); " + "; ".join(
-                f"{n} at once {row[n]['wall']:.1f} tok/s ({row[n]['wall'] / row[1]['wall']:.2f}x; per CPU-s "
-                f"{row[n]['cpu'] / row[1]['cpu']:.2f}x)" for n in (2, 4, 8)), flush=True)
+            print(f"  repeat {rep + 1}: alone {row[1]['wall']:.1f} tok/s ({_x(row[1]['cpu'], 1, '.1f')} per CPU-s); "
+                  + "; ".join(f"{n} at once {row[n]['wall']:.1f} tok/s ({row[n]['wall'] / row[1]['wall']:.2f}x; per CPU-s "
+                              f"{_x(row[n]['cpu'], row[1]['cpu'])}x)" for n in (2, 4, 8)), flush=True)
     finally:
         meter.stop()
         server.stop()
     ratios = {n: statistics.median(r[n]["wall"] / r[1]["wall"] for r in runs) for n in (2, 4, 8)}
-    cpu = {n: statistics.median(r[n]["cpu"] / r[1]["cpu"] for r in runs) for n in (2, 4, 8)}
+    cpu = {n: _median([r[n]["cpu"] / r[1]["cpu"] for r in runs if r[n]["cpu"] and r[1]["cpu"]]) for n in (2, 4, 8)}
     goal = 3.0 if "smollm2" in args.model else 2.0
     print(f"concurrency ({args.model}, {args.context}-token prompts, {args.decode} new tokens each, "
           f"{args.threads or 'all'} torch thread(s)): median ratio to one alone, tokens/s: "
           + ", ".join(f"{n}: {ratios[n]:.2f}x" for n in (2, 4, 8)) + "; tokens per server CPU-second: "
-          + ", ".join(f"{n}: {cpu[n]:.2f}x" for n in (2, 4, 8)) + f" (goal for 8: >= {goal:g}x)")
+          + ", ".join(f"{n}: {_x(cpu[n], 1)}x" for n in (2, 4, 8)) + f" (goal for 8: >= {goal:g}x)")
     return {"runs": runs, "ratios": ratios, "ratios_per_cpu_second": cpu, "goal_8": goal, "threads": args.threads}
 
 
