@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from models import build, prompt
 from tiercache import TieredCache
+from tiercache.compat import cache_arg
 
 FAMILIES = ["llama", "mistral", "gemma2", "qwen3", "gemma3n"]
 Q = {"backend": "native", "bits": 4, "group_size": 2, "residual_length": 4}
@@ -64,11 +65,11 @@ def run(family: str, cache_of, mode: dict):
     follow = kw.pop("follow", False)
     cache = cache_of(m.config)
     torch.manual_seed(0)
-    out = m.generate(ids, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW, **kw)
+    out = m.generate(ids, **cache_arg(cache), max_new_tokens=NEW, min_new_tokens=NEW, **kw)
     if follow:  # the same cache again: only the tokens it has not seen are run
         more = torch.cat([out, prompt(batch, 4, seed=7)], dim=1)
         torch.manual_seed(0)
-        out = m.generate(more, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW, **kw)
+        out = m.generate(more, **cache_arg(cache), max_new_tokens=NEW, min_new_tokens=NEW, **kw)
     return out, cache
 
 

@@ -15,6 +15,7 @@ import torch
 from transformers import DeepseekV3Config, FalconConfig, Gemma2Config, Gemma4TextConfig, LlamaConfig, MistralConfig
 
 import tiercache
+from tiercache.compat import cache_arg
 from tiercache.model_spec import ModelSpec
 from tiercache.planner import plan
 
@@ -200,9 +201,9 @@ def test_offloaded_sliding_layers_planned_after_a_long_prompt(family, prompt, st
     cache = tiercache.TieredCache.from_policy(pol, model.config)
     ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **cache_arg(cache))
         for i in range(steps):
-            model(ids[:, i % prompt : i % prompt + 1], past_key_values=cache)
+            model(ids[:, i % prompt : i % prompt + 1], **cache_arg(cache))
     p = plan(pol, model.config, batch_size=1, context_length=cache.get_seq_length(), device="cpu")
     assert all(layer.policy.offload is not None for layer in cache.layers)
     held = sum(cache.shared_nbytes().values())

@@ -19,6 +19,9 @@ def blocks():
     return out
 
 
+# The README's examples still pass `past_key_values=` (README.md is being rewritten to `cache=`, issue 31):
+# until then its deprecation warning is shown here, not an error. Remove this mark with that rewrite.
+@pytest.mark.filterwarnings("default:`past_key_values` is deprecated:FutureWarning")
 @pytest.mark.parametrize("title,code", blocks(), ids=[t for t, _ in blocks()])
 def test_example_runs(title, code):
     exec(compile(code, f"README: {title}", "exec"), {"__name__": "readme"})

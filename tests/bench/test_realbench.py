@@ -12,6 +12,7 @@ from transformers import DynamicCache, QuantizedCache
 from tiercache import TieredCache
 from tiercache.bench import forced, quality, realbench, retrieval, seeded, sensitivity, texts
 from tiercache.bench.tiny import ByteTokenizer, load_model, tiny_random
+from tiercache.compat import cache_arg
 
 POLICY = {"name": "int2-sinks-clip", "quantize": {"bits": 2, "group_size": 16, "residual_length": 32,
                                                    "sink_tokens": 4, "clip": "mse"}}
@@ -31,7 +32,7 @@ def test_seeding_equals_prefilling_through_the_cache(kind):
     seeded_cache = seeded.seed(MAKERS[kind](model.config), pre)
     own = MAKERS[kind](model.config)
     with torch.no_grad():
-        logits = model(input_ids=ids[None, :120], past_key_values=own, use_cache=True).logits[0, -1]
+        logits = model(input_ids=ids[None, :120], **cache_arg(own), use_cache=True).logits[0, -1]
     assert torch.equal(logits, pre.logits)
     a = forced.teacher_forced(model, seeded_cache, pre, ids[120:])
     b = forced.teacher_forced(model, own, pre, ids[120:])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tiercache.chain import make_storage
+from tiercache.compat import cache_arg
 from tiercache.policy import OffloadPolicy
 from tiercache.processors.offload import Prefetcher, offloaded
 
@@ -90,6 +91,6 @@ def test_generate_same_tokens_on_gpu():
     out = {}
     for name, policy in (("resident", {}), ("offload", {"offload": {"device": "cpu", "prefetch": 1}})):
         cache = tiercache.TieredCache.from_policy(policy, model.config)
-        out[name] = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out[name] = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_arg(cache),
                                    do_sample=False, num_beams=2, max_new_tokens=10)
     assert torch.equal(out["resident"], out["offload"])
