@@ -273,4 +273,10 @@ def test_the_planner_predicts_a_cache_loaded_from_a_legacy_past(family, name, mo
             cache.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), i)
         real, planned = tier_bytes(cache.nbytes(), "cpu"), plan(policy, config, 2, seen + step + 1).bytes
         assert all(real[t] <= planned[t] for t in real), (step, real, planned)
+    if family == "gemma2" and name == "int4-host-all":
+        # window 8 fits in residual 64: the sliding layers stay at full precision (Policy.resolve), so the
+        # offloaded layers differ in size and the device mirrors are planned as an upper bound
+        # (tiercache.footprint.mirror_bytes); every other byte is exact
+        assert real["host"] == planned["host"] and real["device"] <= planned["device"]
+        return
     assert real == planned

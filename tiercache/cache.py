@@ -1,7 +1,8 @@
 """TieredCache: one processor chain per model layer, behind transformers' ``Cache`` interface.
 
     cache = TieredCache.from_policy("configs/default.yaml", model.config)
-    model.generate(**inputs, past_key_values=cache)      # or model(..., past_key_values=cache)
+    model.generate(**inputs, cache=cache)                # or model(..., cache=cache); past_key_values= on
+                                                          # older transformers (tiercache.compat.CACHE_KW)
     cache.update(k, v, layer_idx)                         # any model that calls update works
     cache.nbytes()                                        # {"cpu": ..., "cuda:0": ..., "disk": ...}
     cache.offload_stats()     # offload counters: bytes_h2d, bytes_d2h, fetches, side_fetches, host_waits
@@ -12,7 +13,10 @@ layer are re-raised as ``CacheError`` naming the layer index. An update is check
 (``tiercache.layers.validate``), then appended to the chain, which trusts it; ``layers[i].keys`` / ``.values``
 are what a layer holds (``KVLayer.keys``). ``crop`` follows transformers 5.x (see ``crop``); a
 crop a sliding layer cannot give exactly changes no layer. KV-sharing layers that reuse another
-layer's K/V are transformers' placeholders (``tiercache.placeholders``).
+layer's K/V are transformers' placeholders (``tiercache.placeholders``). Hybrid and recurrent
+models (Mamba, Jamba, Falcon-H1 ...): layers with a conv / recurrent state are ``StateLayer``s
+(``tiercache.state_layer``), reached through transformers' ``get_conv_state`` /
+``update_conv_state`` / ``get_recurrent_state`` / ``update_recurrent_state`` / ``has_previous_state``.
 
 Returned K/V may be views of internal buffers, valid until the next call on the cache (as with
 transformers' own caches, attention consumes them at once).
@@ -103,7 +107,7 @@ class TieredCache(Cache):
 
     @classmethod
     def for_encoder_decoder(cls, policy, model_config) -> "TieredEncoderDecoderCache":
-        """What ``generate(past_key_values=...)`` takes for BART, T5, Whisper ...: an ``EncoderDecoderCache`` of
+        """What ``generate(cache=...)`` takes for BART, T5, Whisper ...: an ``EncoderDecoderCache`` of
         two TieredCaches, self-attention per the policy, cross-attention per its ``cross_attention:`` section."""
         check_supported(model_config)
         policy, model = load_policy(policy), spec_of(model_config)
@@ -115,8 +119,8 @@ class TieredCache(Cache):
         self._layer(layer_idx)
         self._reuse.check_update(layer_idx)
         self._on(layer_idx, lambda layer: check_update(layer, key_states, value_states, model=True))
-        if layer_idx == self._reuse.first:
-            check_room({i: self.layers[i] for i in self._reuse.stores(len(self.layers))}, key_states.shape[2])
+        if layer_idx == self._first_attention():
+            check_room({i: self.layers[i] for i in self._kv_layers()}, key_states.shape[2])
         return self._on(layer_idx, lambda layer: layer.append(key_states, value_states))
 
     # -- what transformers asks ------------------------------------------------------------------
@@ -141,12 +145,14 @@ class TieredCache(Cache):
 
     @property
     def is_linear(self) -> list[bool]:
-        return [False] * len(self.layers)
+        """True for the layers with a conv / recurrent state and no attention (transformers' meaning)."""
+        return [self.model.states(i) > 0 and not self.model.attends(i) for i in range(len(self.layers))]
 
     @property
     def is_dummy(self) -> list[bool]:
-        """True for the layers that reuse another layer's K/V (transformers' placeholder layers)."""
-        return [i in self._reuse for i in range(len(self.layers))]
+        """True for the layers that reuse another layer's K/V (transformers' placeholder layers) and the
+        layers that cache nothing (``mlp`` / ``moe`` layers of hybrid models)."""
+        return [i in self._reuse or not (self.model.attends(i) or self.model.states(i)) for i in range(len(self.layers))]
 
     @property
     def is_compileable(self) -> bool:
@@ -159,7 +165,7 @@ class TieredCache(Cache):
     @property
     def is_initialized(self) -> bool:
         """transformers' meaning: every layer that stores has had an update since it was built or reset."""
-        stores = self._reuse.stores(len(self.layers))
+        stores = [i for i in self._kv_layers() if not self.model.states(i)]  # transformers: hybrid layers excluded
         return bool(stores) and all(self.layers[i].is_initialized for i in stores)
 
     @property
@@ -179,6 +185,28 @@ class TieredCache(Cache):
 
     def offload(self, layer_idx: int, only_non_sliding: bool = True) -> None:
         """Offloaded layers write back only new tokens themselves (tiercache.processors.offload)."""
+
+    # -- hybrid and recurrent models: conv / recurrent states (tiercache.state_layer) -------------
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self._on(layer_idx, lambda layer: self._stateful(layer_idx, "get_conv_state").conv_state(state_idx))
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self._on(layer_idx, lambda layer: self._stateful(layer_idx, "update_conv_state").update_conv_state(
+            conv_states, state_idx, **kwargs))
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self._on(layer_idx, lambda layer: self._stateful(layer_idx, "get_recurrent_state").recurrent_state(state_idx))
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self._on(layer_idx, lambda layer: self._stateful(layer_idx, "update_recurrent_state")
+                        .update_recurrent_state(recurrent_states, state_idx, **kwargs))
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        if layer_idx is None:  # transformers: the last layer with a state
+            layer_idx = next((i for i in reversed(range(len(self.layers))) if self.model.states(i)), None)
+            if layer_idx is None:
+                raise CacheError("has_previous_state: this cache has no layer with a conv / recurrent state")
+        return self._stateful(layer_idx, "has_previous_state").has_previous_state(state_idx)
 
     # -- whole-cache operations ----------------------------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
@@ -205,7 +233,8 @@ class TieredCache(Cache):
         self._each(lambda layer: layer.repeat_interleave(repeats))
 
     def reset(self) -> None:
-        """Empty every layer and free the shared buffers (workspace, prefetch slots): ``nbytes()`` is {} after."""
+        """Empty every layer and free the shared buffers (workspace, prefetch slots): ``nbytes()`` is {} after
+        (but for the conv / recurrent states of hybrid models, zeroed in place as transformers does)."""
         self._each(lambda layer: layer.reset())
         if self._shared is not None:
             self._shared.close()  # re-created on demand
@@ -293,7 +322,8 @@ class TieredCache(Cache):
         return self._shared.buffers() if self._shared is not None else []
 
     def __repr__(self) -> str:
-        return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
+        seen = self.get_seq_length() if self._kv_layers() else "-"
+        return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={seen})"
 
     # -- internals -------------------------------------------------------------------------------
     def _layer(self, layer_idx: int) -> KVLayer:
@@ -301,9 +331,31 @@ class TieredCache(Cache):
         return self.layers[layer_idx]
 
     def _attention_layer(self, layer_idx: int, what: str) -> KVLayer:
-        """The layer that answers ``what`` for ``layer_idx`` (a placeholder 0: the first that stores)."""
+        """The layer that answers ``what`` for ``layer_idx`` (a placeholder 0, or a layer 0 without
+        attention: the first that stores K/V, as transformers answers)."""
         self._layer(layer_idx)
+        if not self.model.attends(layer_idx):
+            first = self._first_attention()
+            if layer_idx != 0 or first is None:
+                raise CacheError(f"{what}(layer_idx={layer_idx}): layer {layer_idx} is a "
+                                 f"{self.model.layer_types[layer_idx]!r} layer, which tracks no sequence length; "
+                                 f"ask an attention layer: {self._kv_layers()}")
+            return self.layers[first]
         return self.layers[self._reuse.answering(layer_idx, len(self.layers), what)]
+
+    def _kv_layers(self) -> list[int]:
+        """The layers that store attention K/V (not placeholders, not state-only or empty layers)."""
+        return [i for i in self._reuse.stores(len(self.layers)) if self.model.attends(i)]
+
+    def _first_attention(self) -> int | None:
+        return next(iter(self._kv_layers()), None)
+
+    def _stateful(self, layer_idx: int, what: str):
+        self._layer(layer_idx)
+        if not self.model.states(layer_idx):
+            raise CacheError(f"{what}: layer {layer_idx} is a {self.model.layer_types[layer_idx]!r} layer, "
+                             "which keeps no conv / recurrent state")
+        return self.layers[layer_idx]
 
     def _on(self, i: int, op):
         """``op(layers[i])``; its CacheError names the layer index."""
