@@ -19,7 +19,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 HYBRID = ["bamba", "bailing_hybrid", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear",
           "lara_mini", "lfm3", "mamba", "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_5_text", "qwen3_5_moe_text",
-          "qwen3_next", "recurrent_gemma", "zamba", "zamba2", "zaya"]
+          "qwen3_next", "recurrent_gemma", "zamba", "zamba2", "zaya", "inkling_text", "inkling2_text",
+          "inkling2_loop_text"]
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2,
@@ -31,7 +32,8 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention
              mamba_n_heads=8, mamba_d_head=16, n_mamba_heads=8, mamba_n_groups=1, n_groups=1, num_heads=8,
              mamba_headdim=16, mamba_d_ssm=128, adapter_rank=8, attention_head_dim=16, lru_width=64,
              sliding_window=8, attention_window_size=8, chunk_size=16, layer_group_size=2, first_k_dense_replace=1,
-             num_mtp_layers=0, time_step_rank=8, num_key_value_heads_per_layer=None)
+             num_mtp_layers=0, time_step_rank=8, num_key_value_heads_per_layer=None, unpadded_vocab_size=128,
+             swa_head_dim=16, sliding_window_size=8, router_hidden_size=32)
 
 EXTRA = {  # per family: the layers (a few, one of them attention where the family has any)
     "bamba": dict(num_hidden_layers=3, attn_layer_indices=[1]),
@@ -57,7 +59,7 @@ def tiny_config(model_type: str, layers: int = 3):
     default = cls()
     kw = {k: v for k, v in SMALL.items() if k in fields and getattr(default, k, None) is not None}
     kw.update(EXTRA.get(model_type, {}))
-    if model_type not in EXTRA and "layer_types" in fields:
+    if "num_hidden_layers" not in kw and "layer_types" in fields:
         types = list(default.layer_types)
         first = next((i for i, t in enumerate(types) if t in ATTENTION), 0)  # keep the first attention layer
         n = max(layers, first + 1)
