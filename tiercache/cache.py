@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from tiercache.chain import Shared, build_layers
 from tiercache.cross_attention import check_supported, cross_layer_policies
 from tiercache.errors import CacheError, PolicyError
+from tiercache.layer_roles import LayerRoles
 from tiercache.layers.base import KVLayer
 from tiercache.layers.validate import check_layer_index, check_room, check_update
 from tiercache.model_spec import ModelSpec, model_type_of, spec_of
@@ -52,6 +53,7 @@ class TieredCache(Cache):
         self.token_ids: list | None = None  # set by load() when the save had them
         self._shared = shared
         self._reuse = Placeholders(model)  # KV sharing: transformers' DummyLayer rules for these
+        self._roles = LayerRoles(model, self._reuse)  # which layers store K/V, keep states (hybrid models)
 
     @classmethod
     def _build(cls, policy: Policy, model: ModelSpec, model_type: str | None = None) -> "TieredCache":
@@ -119,8 +121,8 @@ class TieredCache(Cache):
         self._layer(layer_idx)
         self._reuse.check_update(layer_idx)
         self._on(layer_idx, lambda layer: check_update(layer, key_states, value_states, model=True))
-        if layer_idx == self._first_attention():
-            check_room({i: self.layers[i] for i in self._kv_layers()}, key_states.shape[2])
+        if layer_idx == self._roles.first(len(self.layers)):
+            check_room({i: self.layers[i] for i in self._roles.kv_layers(len(self.layers))}, key_states.shape[2])
         return self._on(layer_idx, lambda layer: layer.append(key_states, value_states))
 
     # -- what transformers asks ------------------------------------------------------------------
@@ -165,7 +167,7 @@ class TieredCache(Cache):
     @property
     def is_initialized(self) -> bool:
         """transformers' meaning: every layer that stores has had an update since it was built or reset."""
-        stores = [i for i in self._kv_layers() if not self.model.states(i)]  # transformers: hybrid layers excluded
+        stores = [i for i in self._roles.kv_layers(len(self.layers)) if not self.model.states(i)]  # (not hybrid ones)
         return bool(stores) and all(self.layers[i].is_initialized for i in stores)
 
     @property
@@ -188,25 +190,22 @@ class TieredCache(Cache):
 
     # -- hybrid and recurrent models: conv / recurrent states (tiercache.state_layer) -------------
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
-        return self._on(layer_idx, lambda layer: self._stateful(layer_idx, "get_conv_state").conv_state(state_idx))
+        return self._stateful(layer_idx, "get_conv_state", lambda layer: layer.conv_state(state_idx))
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        return self._on(layer_idx, lambda layer: self._stateful(layer_idx, "update_conv_state").update_conv_state(
-            conv_states, state_idx, **kwargs))
+        return self._stateful(layer_idx, "update_conv_state",
+                              lambda layer: layer.update_conv_state(conv_states, state_idx, **kwargs))
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
-        return self._on(layer_idx, lambda layer: self._stateful(layer_idx, "get_recurrent_state").recurrent_state(state_idx))
+        return self._stateful(layer_idx, "get_recurrent_state", lambda layer: layer.recurrent_state(state_idx))
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        return self._on(layer_idx, lambda layer: self._stateful(layer_idx, "update_recurrent_state")
-                        .update_recurrent_state(recurrent_states, state_idx, **kwargs))
+        return self._stateful(layer_idx, "update_recurrent_state",
+                              lambda layer: layer.update_recurrent_state(recurrent_states, state_idx, **kwargs))
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        if layer_idx is None:  # transformers: the last layer with a state
-            layer_idx = next((i for i in reversed(range(len(self.layers))) if self.model.states(i)), None)
-            if layer_idx is None:
-                raise CacheError("has_previous_state: this cache has no layer with a conv / recurrent state")
-        return self._stateful(layer_idx, "has_previous_state").has_previous_state(state_idx)
+        i = self._roles.last_stateful(len(self.layers)) if layer_idx is None else layer_idx  # transformers: the last
+        return self._stateful(i, "has_previous_state", lambda layer: layer.has_previous_state(state_idx))
 
     # -- whole-cache operations ----------------------------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
@@ -322,7 +321,7 @@ class TieredCache(Cache):
         return self._shared.buffers() if self._shared is not None else []
 
     def __repr__(self) -> str:
-        seen = self.get_seq_length() if self._kv_layers() else "-"
+        seen = self.get_seq_length() if self._roles.kv_layers(len(self.layers)) else "-"
         return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={seen})"
 
     # -- internals -------------------------------------------------------------------------------
@@ -334,28 +333,13 @@ class TieredCache(Cache):
         """The layer that answers ``what`` for ``layer_idx`` (a placeholder 0, or a layer 0 without
         attention: the first that stores K/V, as transformers answers)."""
         self._layer(layer_idx)
-        if not self.model.attends(layer_idx):
-            first = self._first_attention()
-            if layer_idx != 0 or first is None:
-                raise CacheError(f"{what}(layer_idx={layer_idx}): layer {layer_idx} is a "
-                                 f"{self.model.layer_types[layer_idx]!r} layer, which tracks no sequence length; "
-                                 f"ask an attention layer: {self._kv_layers()}")
-            return self.layers[first]
-        return self.layers[self._reuse.answering(layer_idx, len(self.layers), what)]
+        return self.layers[self._roles.answering(layer_idx, len(self.layers), what)]
 
-    def _kv_layers(self) -> list[int]:
-        """The layers that store attention K/V (not placeholders, not state-only or empty layers)."""
-        return [i for i in self._reuse.stores(len(self.layers)) if self.model.attends(i)]
-
-    def _first_attention(self) -> int | None:
-        return next(iter(self._kv_layers()), None)
-
-    def _stateful(self, layer_idx: int, what: str):
+    def _stateful(self, layer_idx: int, what: str, op):
+        """``op(layers[layer_idx])`` for a layer with a conv / recurrent state (``tiercache.state_layer``)."""
         self._layer(layer_idx)
-        if not self.model.states(layer_idx):
-            raise CacheError(f"{what}: layer {layer_idx} is a {self.model.layer_types[layer_idx]!r} layer, "
-                             "which keeps no conv / recurrent state")
-        return self.layers[layer_idx]
+        self._roles.stateful(layer_idx, what)
+        return self._on(layer_idx, op)
 
     def _on(self, i: int, op):
         """``op(layers[i])``; its CacheError names the layer index."""
