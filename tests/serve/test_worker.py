@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from tiercache.models.load import load_model
 from tiercache.policy.schema import load_policy
+from tiercache.cache.compat import cache_arg
 from tiercache.serve.chat import Codec
 from tiercache.serve.errors import APIError
 from tiercache.serve.protocol import parse_completion
@@ -42,7 +43,7 @@ def ids_of(seed, n):
 
 def reference(model, ids, n) -> list[int]:
     """Greedy tokens up to ``n``, ending at (and including) the end-of-sequence token."""
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, past_key_values=DynamicCache(),
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, **cache_arg(DynamicCache()),
                          pad_token_id=258, eos_token_id=257)[0, len(ids):].tolist()
     return out[: out.index(257) + 1] if 257 in out else out
 
@@ -80,7 +81,7 @@ def assert_kv_matches(model, ids, cache):
     """The entry's K/V are those of its token ids (a fresh prefill, full precision)."""
     ref = DynamicCache()
     with torch.no_grad():
-        model(input_ids=torch.tensor([list(ids)]), past_key_values=ref)
+        model(input_ids=torch.tensor([list(ids)]), **cache_arg(ref))
     for i, layer in enumerate(cache.layers):
         k, v = layer.kv()
         assert k.shape == ref.layers[i].keys.shape

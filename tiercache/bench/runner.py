@@ -32,6 +32,7 @@ import torch
 
 from tiercache.bench import quality
 from tiercache.bench.setups import Setup, cache_nbytes, cache_tensors
+from tiercache.cache.compat import cache_arg
 
 WARMUP_PROMPT, WARMUP_STEPS = 256, 4
 PREFILL_CHUNK = 512  # the memory pass prefills in chunks: activations of one chunk, not of the prompt
@@ -49,13 +50,13 @@ def greedy(model, cache, prompt: torch.Tensor, steps: int, tick=None) -> tuple[l
     x = prompt.to(model.device)[None]  # [1, T]
     _sync(model.device)
     t0 = time.perf_counter()
-    logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1]  # [1, V]
+    logits = model(input_ids=x, **cache_arg(cache), use_cache=True).logits[:, -1]  # [1, V]
     nxt = logits.argmax(-1, keepdim=True)  # [1, 1]
     _sync(model.device)
     t1 = time.perf_counter()
     tokens = [nxt]
     for _ in range(steps):
-        logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]  # [1, V]
+        logits = model(input_ids=nxt, **cache_arg(cache), use_cache=True).logits[:, -1]  # [1, V]
         nxt = logits.argmax(-1, keepdim=True)  # [1, 1]
         tokens.append(nxt)
         if tick:

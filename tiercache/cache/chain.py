@@ -14,6 +14,10 @@ The chain's shape comes from its ``ChainSpec`` (``tiercache.cache.chainspec``, d
                                                                by the spec (rows, not tokens),
                                                                offloaded when asked
 
+Hybrid and recurrent models: a layer that keeps a conv / recurrent state (``lp.states``) or
+no attention K/V at all (``not lp.attends``) is a ``StateLayer`` (``tiercache.cache.state_layer``):
+transformers' own state, exact, around the layer's attention chain when it has one.
+
 Cross-attention layers (``layer_type == "cross_attention"``, encoder-decoder models) get
 ``CrossAttention(...)`` around the chain: transformers reads them back through ``.keys`` /
 ``.values``.
@@ -127,7 +131,7 @@ class Shared:
 
 def compileable(lp: LayerPolicy) -> bool:
     """The layer is plain resident static storage (a cache of only those is compileable)."""
-    return lp.storage == "static" and lp.window is None and lp.quantize is None and lp.offload is None
+    return lp.attends and not lp.states and lp.storage == "static" and lp.window is None and lp.quantize is None and lp.offload is None
 
 
 def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
@@ -163,8 +167,15 @@ def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
 
 
 def build_layer(lp: LayerPolicy, shared: Shared, padded: bool = False) -> KVLayer:
-    """``build(spec_for(lp, padded), shared)``."""
-    return build(spec_for(lp, padded), shared)
+    """``build(spec_for(lp, padded), shared)``; a ``StateLayer`` around it (or alone) for a layer with a
+    conv / recurrent state or no attention (hybrid and recurrent models)."""
+    if lp.attends and not lp.states:
+        return build(spec_for(lp, padded), shared)
+    from tiercache.cache.state_layer import StateLayer
+
+    layer = StateLayer(lp.states, build(spec_for(lp, padded), shared) if lp.attends else None)
+    layer.policy = lp
+    return layer
 
 
 def build_layers(layer_policies: list[LayerPolicy]) -> tuple[list[KVLayer], Shared]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiercache.cache.compat import cache_arg
 from tiercache.serve.errors import APIError
 from tiercache.serve.protocol import DEFAULT_MAX_TOKENS, Request
 from tiercache.serve.sequence import Sequence
@@ -167,7 +168,7 @@ class Worker:
         with torch.no_grad():
             for start in range(0, len(ids), self.prefill_chunk):
                 x = torch.tensor([ids[start:start + self.prefill_chunk]], dtype=torch.long, device=self.device)  # [1, T]
-                out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = self.model(input_ids=x, **cache_arg(cache), use_cache=True, logits_to_keep=1)
         return out.logits[0, -1]  # [V]
 
     def count(self, name: str, n: int) -> None:
