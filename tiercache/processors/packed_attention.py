@@ -11,7 +11,7 @@
         the K/V the layer would have dequantized, computed from the codes: ``query`` ``[B, Hq,
         L, D]`` (``Hq`` a multiple of the layer's heads, grouped as ``repeat_kv`` does), ``mask``
         broadcastable to ``[B, Hq, L, S]`` (bool: True attends; float: added). Float32 inside.
-    key_scores(q, rows, codec) / value_mix(p, rows, codec)
+    key_scores(q, rows, codec, out, skip) / value_mix(p, rows, codec, skip)
         the packed part alone (the fast kernel where it has the layout, else the torch reference)
 
 The math (the issue's, KIVI's). A key block quantized per channel is ``K[t, c] = code[t, c] *
@@ -34,6 +34,8 @@ or device) the torch reference runs: the same results within float rounding.
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -123,20 +125,40 @@ def _fast():
     return packed_cpu
 
 
-def key_scores(q: torch.Tensor, rows: torch.Tensor, codec) -> torch.Tensor:
+def key_scores(q: torch.Tensor, rows: torch.Tensor, codec, out: torch.Tensor, skip: int = 0) -> None:
+    """Writes ``out`` ``[B, H, M, N*G - skip]``: the scores of the visible packed keys."""
     fast = _fast()
     if fast.handles(codec, rows, "keys"):
         codes, scale, offset = _parts(rows, codec)
-        return fast.key_scores(q, codes, scale, offset, codec)
-    return key_scores_torch(q, rows, codec)
+        fast.key_scores(q, codes, scale, offset, codec, out, skip)
+    else:
+        out.copy_(key_scores_torch(q, rows, codec)[..., skip:])
 
 
-def value_mix(p: torch.Tensor, rows: torch.Tensor, codec) -> torch.Tensor:
+def value_mix(p: torch.Tensor, rows: torch.Tensor, codec, skip: int = 0) -> torch.Tensor:
+    """``p`` ``[B, H, M, N*G - skip]``: the weights of the visible packed tokens -> ``[B, H, M, Dv]``."""
     fast = _fast()
     if fast.handles(codec, rows, "values"):
         codes, scale, offset = _parts(rows, codec)
-        return fast.value_mix(p, codes, scale, offset, codec)
-    return value_mix_torch(p, rows, codec)
+        return fast.value_mix(p, codes, scale, offset, codec, skip)
+    return value_mix_torch(torch.nn.functional.pad(p, (skip, 0)), rows, codec)  # hidden tokens weigh 0
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(shape, device: torch.device) -> torch.Tensor:
+    """A float32 buffer of ``shape``, reused across calls (per thread and device): the scores of
+    a long context are a few hundred KB, and a fresh allocation of that size is a fresh mapping
+    whose page faults cost more than the softmax."""
+    need = math.prod(shape)
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    buf = bufs.get(device)
+    if buf is None or buf.numel() < need:
+        buf = bufs[device] = torch.empty(max(need, 2 * (0 if buf is None else buf.numel())), device=device)
+    return buf[:need].view(shape)
 
 
 @torch.no_grad()
@@ -151,28 +173,33 @@ def attend(query: torch.Tensor, packed: Packed, mask: torch.Tensor | None = None
     rep = hq // hkv
     scale = d**-0.5 if scale is None else scale
     q = (query.float() * scale).reshape(b, hkv, rep * length, d)  # [B, Hkv, M, D], heads grouped as repeat_kv
-    parts = []  # scores, each [B, Hkv, M, n]
-    for seg in segments:
+    sizes = [packed.blocks[0].shape[2] * packed.codecs[0].g - packed.skip if seg is None else seg[0].shape[2]
+             for seg in segments]
+    scores = _scratch((b, hkv, rep * length, sum(sizes)), query.device)  # [B, Hkv, M, S]
+    at = 0
+    for seg, n in zip(segments, sizes):
+        part = scores.narrow(-1, at, n)
         if seg is None:
-            parts.append(key_scores(q, packed.blocks[0].to(query.device), packed.codecs[0])[..., packed.skip :])
+            key_scores(q, packed.blocks[0].to(query.device), packed.codecs[0], part, packed.skip)
         else:
-            parts.append(torch.matmul(q, seg[0].float().transpose(-1, -2)))
-    scores = torch.cat(parts, -1) if len(parts) > 1 else parts[0]  # [B, Hkv, M, S]
+            part.copy_(torch.matmul(q, seg[0].float().transpose(-1, -2)))
+        at += n
     if mask is not None:
         mask = mask.expand(b, hq, length, scores.shape[-1]).reshape(b, hkv, rep * length, -1)
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    p = torch.softmax(scores, -1)
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores.add_(mask.float())
+    scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # the softmax, in place
+    scores.div_(scores.sum(-1, keepdim=True))
     out, at = None, 0
-    for seg, part in zip(segments, parts):
-        n = part.shape[-1]
-        w = p.narrow(-1, at, n)
+    for seg, n in zip(segments, sizes):
+        w = scores.narrow(-1, at, n)
         if seg is None:
-            if packed.skip:
-                w = torch.nn.functional.pad(w, (packed.skip, 0))  # the hidden head of the first block weighs 0
-            term = value_mix(w.contiguous(), packed.blocks[1].to(query.device), packed.codecs[1])
+            term = value_mix(w, packed.blocks[1].to(query.device), packed.codecs[1], packed.skip)
         else:
             term = torch.matmul(w, seg[1].float())  # [B, Hkv, M, Dv]
-        out = term if out is None else out + term
+        out = term if out is None else out.add_(term)
         at += n
     dv = out.shape[-1]
     return out.view(b, hkv, rep, length, dv).reshape(b, hq, length, dv).to(query.dtype)
