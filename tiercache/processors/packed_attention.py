@@ -173,6 +173,20 @@ def attend(query: torch.Tensor, packed: Packed, mask: torch.Tensor | None = None
     rep = hq // hkv
     scale = d**-0.5 if scale is None else scale
     q = (query.float() * scale).reshape(b, hkv, rep * length, d)  # [B, Hkv, M, D], heads grouped as repeat_kv
+    fast = _fast()
+    if packed.blocks is not None and all(fast.handles(c, r, w) for c, r, w in zip(packed.codecs, packed.blocks,
+                                                                                     ("keys", "values"))):
+        exact = [(seg[0].float(), seg[1].float()) for seg in segments if seg is not None]
+        at_blocks = segments.index(None)
+        s_len = packed.length
+        if mask is not None:
+            mask = mask.expand(b, hq, length, s_len).reshape(b, hkv, rep * length, s_len)
+            mask = (torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool
+                    else mask.float().contiguous())
+        parts = [(*_parts(r.to(query.device), c), c) for r, c in zip(packed.blocks, packed.codecs)]
+        out = fast.attend(q, parts[0], parts[1], exact, at_blocks, packed.skip, mask)  # [B, Hkv, M, Dv]
+        dv = out.shape[-1]
+        return out.view(b, hkv, rep, length, dv).reshape(b, hq, length, dv).to(query.dtype)
     sizes = [packed.blocks[0].shape[2] * packed.codecs[0].g - packed.skip if seg is None else seg[0].shape[2]
              for seg in segments]
     scores = _scratch((b, hkv, rep * length, sum(sizes)), query.device)  # [B, Hkv, M, S]

@@ -27,12 +27,13 @@ import warnings
 
 import torch
 
-NAME = "tiercache_packed_v3"
+NAME = "tiercache_packed_v4"
 
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 template <int BITS>
@@ -139,6 +140,104 @@ static void values_token(const torch::Tensor& codes, const torch::Tensor& scale,
   });
 }
 
+static std::vector<float>& scratch(size_t n) {
+  static thread_local std::vector<float> buf;  // reused: a fresh mapping per call page-faults more than it computes
+  if (buf.size() < n) buf.resize(n);
+  return buf;
+}
+
+torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch::Tensor ko, torch::Tensor vc,
+                     torch::Tensor vs, torch::Tensor vo, std::vector<torch::Tensor> ek, std::vector<torch::Tensor> ev,
+                     int64_t at_blocks, int64_t skip, int64_t kbits, int64_t vbits, int64_t G, int64_t ng,
+                     int64_t dv, int64_t chunks, c10::optional<torch::Tensor> mask) {
+  // q [B, H, M, D] float (scaled); packed keys / values as key_scores / value_mix take them; exact segments
+  // ek / ev [B, H, n_i, D] float (unit last stride), the blocks between segment at_blocks - 1 and at_blocks;
+  // mask [B, H, M, S] float contiguous (added) or none. Returns [B, H, M, dv]: one softmax over every column.
+  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3), N = kc.size(2);
+  const int64_t nb = N * G - skip;
+  std::vector<int64_t> start(ek.size());
+  int64_t S = 0, bstart = 0;
+  for (size_t i = 0; i <= ek.size(); ++i) {
+    if ((int64_t)i == at_blocks) { bstart = S; S += nb; }
+    if (i < ek.size()) { start[i] = S; S += ek[i].size(2); }
+  }
+  std::vector<float>& buf = scratch(B * H * M * S);
+  auto fopt = torch::TensorOptions().dtype(torch::kFloat32);
+  auto sc = torch::from_blob(buf.data(), {B, H, M, S}, fopt);
+  auto kpart = torch::from_blob(buf.data() + bstart, {B, H, M, nb}, {H * M * S, M * S, S, 1}, fopt);
+  if (kbits == 2) keys_channel<2>(kc, ks, ko, q, kpart, G, skip);
+  else if (kbits == 4) keys_channel<4>(kc, ks, ko, q, kpart, G, skip);
+  else keys_channel<8>(kc, ks, ko, q, kpart, G, skip);
+  const float* qp = q.data_ptr<float>();
+  const float* mp = mask.has_value() ? mask->data_ptr<float>() : nullptr;
+  float* bp = buf.data();
+  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      for (size_t i = 0; i < ek.size(); ++i) {
+        const float* kp = ek[i].data_ptr<float>() + b * ek[i].stride(0) + h * ek[i].stride(1);
+        const int64_t n = ek[i].size(2), st = ek[i].stride(2);
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t m = 0; m < M; ++m) {
+            const float* qq = qp + (bh * M + m) * D;
+            const float* kk = kp + j * st;
+            float a = 0.f;
+#pragma omp simd reduction(+ : a)
+            for (int64_t c = 0; c < D; ++c) a += qq[c] * kk[c];
+            bp[(bh * M + m) * S + start[i] + j] = a;
+          }
+      }
+      for (int64_t m = 0; m < M; ++m) {  // the softmax, over every column at once
+        float* row = bp + (bh * M + m) * S;
+        if (mp) {
+          const float* mr = mp + (bh * M + m) * S;
+          for (int64_t j = 0; j < S; ++j) row[j] += mr[j];
+        }
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < S; ++j) mx = std::max(mx, row[j]);
+        float sum = 0.f;
+        for (int64_t j = 0; j < S; ++j) { row[j] = std::exp(row[j] - mx); sum += row[j]; }
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < S; ++j) row[j] *= inv;
+      }
+    }
+  });
+  auto wpart = torch::from_blob(buf.data() + bstart, {B, H, M, nb}, {H * M * S, M * S, S, 1}, fopt);
+  auto part = torch::empty({B, H, chunks, M, dv}, fopt);
+  if (vbits == 2) values_token<2>(vc, vs, vo, wpart, part, G, ng, chunks, skip);
+  else if (vbits == 4) values_token<4>(vc, vs, vo, wpart, part, G, ng, chunks, skip);
+  else values_token<8>(vc, vs, vo, wpart, part, G, ng, chunks, skip);
+  auto out = torch::empty({B, H, M, dv}, fopt);
+  float* op = out.data_ptr<float>();
+  const float* pp = part.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      float* o = op + bh * M * dv;
+      for (int64_t e = 0; e < M * dv; ++e) {
+        float a = 0.f;
+        for (int64_t k = 0; k < chunks; ++k) a += pp[(bh * chunks + k) * M * dv + e];
+        o[e] = a;
+      }
+      for (size_t i = 0; i < ev.size(); ++i) {
+        const float* vp = ev[i].data_ptr<float>() + b * ev[i].stride(0) + h * ev[i].stride(1);
+        const int64_t n = ev[i].size(2), st = ev[i].stride(2);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* w = bp + (bh * M + m) * S + start[i];
+          float* om = o + m * dv;
+          for (int64_t j = 0; j < n; ++j) {
+            const float* vv = vp + j * st;
+            const float wj = w[j];
+#pragma omp simd
+            for (int64_t c = 0; c < dv; ++c) om[c] += wj * vv[c];
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 void key_scores(torch::Tensor codes, torch::Tensor scale, torch::Tensor offset, torch::Tensor q, torch::Tensor out,
                 int64_t bits, int64_t G, int64_t skip) {
   if (bits == 2) keys_channel<2>(codes, scale, offset, q, out, G, skip);
@@ -167,7 +266,7 @@ def available() -> bool:
             try:
                 from torch.utils.cpp_extension import load_inline
 
-                _STATE["module"] = load_inline(NAME, cpp_sources=SOURCE, functions=["key_scores", "value_mix"],
+                _STATE["module"] = load_inline(NAME, cpp_sources=SOURCE, functions=["key_scores", "value_mix", "attend"],
                                                extra_cflags=["-O3", "-march=native", "-fopenmp"],
                                                extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # no compiler, no ninja: the torch reference serves
@@ -204,3 +303,17 @@ def value_mix(p, codes, scale, offset, codec, skip: int) -> torch.Tensor:
     chunks = max(1, min(n, -(-2 * torch.get_num_threads() // (b * h))))
     return _STATE["module"].value_mix(codes, _meta(scale, shape), _meta(offset, shape), p, codec.backend.bits,
                                       codec.g, ng, codec.d, chunks, skip)
+
+
+def attend(q, keys, values, exact, at_blocks: int, skip: int, mask) -> torch.Tensor:
+    """The whole decode attention in one call: ``keys`` / ``values`` ``(codes, scale, offset, codec)``
+    of the packed blocks, ``exact`` the exact segments ``[(k, v)]`` float32 in token order with the
+    blocks before ``exact[at_blocks]``, ``mask`` None or float32 ``[B, H, M, S]``: ``[B, H, M, Dv]``."""
+    (kc, ks, ko, kcodec), (vc, vs, vo, vcodec) = keys, values
+    b, h, n, _ = kc.shape
+    ng = vcodec.shape[1]
+    chunks = max(1, min(n, -(-2 * torch.get_num_threads() // (b * h))))
+    kshape, vshape = (b, h, n, kcodec.d), (b, h, n, vcodec.g * ng)
+    return _STATE["module"].attend(q.contiguous(), kc, _meta(ks, kshape), _meta(ko, kshape), vc, _meta(vs, vshape),
+                                   _meta(vo, vshape), [k for k, _ in exact], [v for _, v in exact], at_blocks, skip,
+                                   kcodec.backend.bits, vcodec.backend.bits, kcodec.g, ng, vcodec.d, chunks, mask)
