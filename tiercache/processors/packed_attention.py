@@ -69,20 +69,27 @@ def _parts(rows: torch.Tensor, codec):
     return codes, scale.float(), None if offset is None else offset.float()
 
 
-def _codes(codes: torch.Tensor, codec) -> torch.Tensor:
-    """The block codes as float32 ``[B, H, N, *codec.shape]`` (the reference's one temporary)."""
+def _centred(rows: torch.Tensor, codec):
+    """(codes, scale, offset) with the codes centred, ``code - mid`` (``mid = (2**bits - 1) / 2``)
+    as float32 ``[B, H, N, *codec.shape]`` (the reference's one temporary), the offset taking the
+    rest (``offset + mid * scale``): the two terms of a score or a value then do not cancel, which
+    keeps float32 sums over long contexts as exact as dequantize-then-SDPA's."""
+    codes, scale, offset = _parts(rows, codec)
     b, h, n, _ = codes.shape
     out = torch.empty((b, h, n, *codec.shape), dtype=torch.float32, device=codes.device)
     codec._unpack_into(codes, out)
-    return out
+    if offset is not None:
+        mid = (2**codec.backend.bits - 1) / 2
+        out.sub_(mid)
+        offset = offset + mid * scale
+    return out, scale, offset
 
 
 def key_scores_torch(q: torch.Tensor, rows: torch.Tensor, codec) -> torch.Tensor:
     """``q`` ``[B, H, M, D]`` float32 (softmax scale applied) . every packed key: ``[B, H, M, N*G]``."""
     b, h, m, _ = q.shape
     n = rows.shape[2]
-    codes, scale, offset = _parts(rows, codec)
-    c = _codes(codes, codec)
+    c, scale, offset = _centred(rows, codec)
     if codec.axis == "channel":  # c [B, H, N, G, D]; scale, offset [B, H, N, 1, D]
         qn = q.unsqueeze(2)  # [B, H, 1, M, D]
         s = torch.matmul(c, (qn * scale).transpose(-1, -2))  # [B, H, N, G, M]
@@ -102,8 +109,7 @@ def value_mix_torch(p: torch.Tensor, rows: torch.Tensor, codec) -> torch.Tensor:
     """Softmax weights ``p`` ``[B, H, M, N*G]`` float32 over every packed value: ``[B, H, M, Dv]``."""
     b, h, m, _ = p.shape
     n = rows.shape[2]
-    codes, scale, offset = _parts(rows, codec)
-    c = _codes(codes, codec)
+    c, scale, offset = _centred(rows, codec)
     pb = p.view(b, h, m, n, codec.g)  # [B, H, M, N, G]
     if codec.axis == "channel":  # c [B, H, N, G, D]; scale, offset [B, H, N, 1, D]
         part = torch.einsum("bhmnt,bhntd->bhnmd", pb, c)  # [B, H, N, M, D]

@@ -27,25 +27,29 @@ import warnings
 
 import torch
 
-NAME = "tiercache_packed_v4"
+NAME = "tiercache_packed_v6"
 
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 template <int BITS>
 static inline void unpack_block(const uint8_t* row, float* cf, int64_t G, int64_t D) {
   // planar codes of one block -> cf [G, D] floats (plane i: tokens [i*G/per, (i+1)*G/per))
+  // centred: code - (2^bits - 1) / 2, the offset taking the rest (o + mid * s): the two terms of a score
+  // or a value then do not cancel, which keeps float32 sums over long contexts as exact as the reference's
   constexpr int per = 8 / BITS, mask = (1 << BITS) - 1;
+  constexpr float mid = mask * 0.5f;
   const int64_t tp = G / per;
   for (int i = 0; i < per; ++i) {
     const int shift = i * BITS;
     float* dst = cf + i * tp * D;
 #pragma omp simd
-    for (int64_t e = 0; e < tp * D; ++e) dst[e] = (float)((row[e] >> shift) & mask);
+    for (int64_t e = 0; e < tp * D; ++e) dst[e] = (float)((row[e] >> shift) & mask) - mid;
   }
 }
 
@@ -62,6 +66,7 @@ static void keys_channel(const torch::Tensor& codes, const torch::Tensor& scale,
   float* outp = out.data_ptr<float>();
   const auto cs = codes.strides(), ss = scale.strides(), os = offset.strides(), rs = out.strides();
   const int64_t grain = std::max<int64_t>(1, 65536 / (G * D));
+  constexpr float mid = ((1 << BITS) - 1) * 0.5f;
   at::parallel_for(0, B * H * N, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> qs(M * D), cf(G * D);
     for (int64_t idx = lo; idx < hi; ++idx) {
@@ -76,7 +81,7 @@ static void keys_channel(const torch::Tensor& codes, const torch::Tensor& scale,
         float* w = qs.data() + m * D;
         for (int64_t c = 0; c < D; ++c) {
           w[c] = qq[m * D + c] * s[c];
-          z += qq[m * D + c] * o[c];
+          z += qq[m * D + c] * (o[c] + mid * s[c]);
         }
         for (int64_t t = (n == 0 ? skip : 0); t < G; ++t) {
           const float* x = cf.data() + t * D;
@@ -105,6 +110,7 @@ static void values_token(const torch::Tensor& codes, const torch::Tensor& scale,
   float* outp = out.data_ptr<float>();
   const auto cs = codes.strides(), ss = scale.strides(), os = offset.strides(), ps = p.strides();
   const int64_t step = (N + chunks - 1) / chunks;
+  constexpr float mid = ((1 << BITS) - 1) * 0.5f;
   at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> osum(M * ng), cf(G * Dv);
     for (int64_t idx = lo; idx < hi; ++idx) {
@@ -124,7 +130,7 @@ static void values_token(const torch::Tensor& codes, const torch::Tensor& scale,
             const float* x = cf.data() + t * Dv;
             for (int64_t j = 0; j < ng; ++j) {
               const float ws = pm[t] * s[t * ng + j];
-              osum[m * ng + j] += pm[t] * o[t * ng + j];
+              osum[m * ng + j] += pm[t] * (o[t * ng + j] + mid * s[t * ng + j]);
               float* a = am + j * gs;
               const float* xj = x + j * gs;
 #pragma omp simd
@@ -138,6 +144,28 @@ static void values_token(const torch::Tensor& codes, const torch::Tensor& scale,
           for (int64_t c = 0; c < gs; ++c) acc[m * Dv + j * gs + c] += osum[m * ng + j];
     }
   });
+}
+
+static inline float exp_simd(float x) {
+  // expf to about 1 ulp (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, scaled by 2^n by adding
+  // n to the exponent bits) in plain arithmetic, so a loop over it vectorizes (glibc's expf does not);
+  // -inf and anything below -87.3 give 0
+  const float y = std::max(x, -87.3f);
+  const float n = std::nearbyint(y * 1.44269504088896341f);
+  const float r = (y - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += (int32_t)n << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return x < -87.3f ? 0.f : out;
 }
 
 static std::vector<float>& scratch(size_t n) {
@@ -196,7 +224,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch:
         float mx = -INFINITY;
         for (int64_t j = 0; j < S; ++j) mx = std::max(mx, row[j]);
         float sum = 0.f;
-        for (int64_t j = 0; j < S; ++j) { row[j] = std::exp(row[j] - mx); sum += row[j]; }
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < S; ++j) { row[j] = exp_simd(row[j] - mx); sum += row[j]; }
         const float inv = 1.f / sum;
         for (int64_t j = 0; j < S; ++j) row[j] *= inv;
       }
