@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-NAME = "tiercache_packed_v6"
+NAME = "tiercache_packed_v7"
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -65,7 +65,7 @@ static void keys_channel(const torch::Tensor& codes, const torch::Tensor& scale,
   const float* qp = q.data_ptr<float>();
   float* outp = out.data_ptr<float>();
   const auto cs = codes.strides(), ss = scale.strides(), os = offset.strides(), rs = out.strides();
-  const int64_t grain = std::max<int64_t>(1, 65536 / (G * D));
+  const int64_t grain = std::max<int64_t>(1, 262144 / (G * D * M));  // a parallel region only for real work
   constexpr float mid = ((1 << BITS) - 1) * 0.5f;
   at::parallel_for(0, B * H * N, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> qs(M * D), cf(G * D);
@@ -111,7 +111,8 @@ static void values_token(const torch::Tensor& codes, const torch::Tensor& scale,
   const auto cs = codes.strides(), ss = scale.strides(), os = offset.strides(), ps = p.strides();
   const int64_t step = (N + chunks - 1) / chunks;
   constexpr float mid = ((1 << BITS) - 1) * 0.5f;
-  at::parallel_for(0, B * H * chunks, 1, [&](int64_t lo, int64_t hi) {
+  const int64_t grain = std::max<int64_t>(1, 262144 / (step * G * Dv * M));
+  at::parallel_for(0, B * H * chunks, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> osum(M * ng), cf(G * Dv);
     for (int64_t idx = lo; idx < hi; ++idx) {
       const int64_t k = idx % chunks, bh = idx / chunks, b = bh / H, h = bh % H;
@@ -199,7 +200,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch:
   const float* qp = q.data_ptr<float>();
   const float* mp = mask.has_value() ? mask->data_ptr<float>() : nullptr;
   float* bp = buf.data();
-  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+  const int64_t rows_grain = std::max<int64_t>(1, 262144 / (M * S));  // few columns: no parallel region
+  at::parallel_for(0, B * H, rows_grain, [&](int64_t lo, int64_t hi) {
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       for (size_t i = 0; i < ek.size(); ++i) {
@@ -239,7 +241,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch:
   auto out = torch::empty({B, H, M, dv}, fopt);
   float* op = out.data_ptr<float>();
   const float* pp = part.data_ptr<float>();
-  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, B * H, rows_grain, [&](int64_t lo, int64_t hi) {
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       float* o = op + bh * M * dv;
@@ -311,6 +313,15 @@ def handles(codec, rows: torch.Tensor, which: str) -> bool:
             and codec.axis == axis and codec.g % (8 // backend.bits) == 0 and available())
 
 
+def _chunks(b: int, h: int, n: int, g: int) -> int:
+    """Runs of blocks per head the values kernel splits into: one unless the context is long
+    enough (16k tokens x heads a run) for threads to pay for their start and join."""
+    threads = torch.get_num_threads()
+    if threads == 1 or b * h * n * g < 16384 * 2:
+        return 1
+    return max(1, min(n, -(-2 * threads // (b * h)), b * h * n * g // 16384))
+
+
 def _meta(t: torch.Tensor, shape) -> torch.Tensor:
     t = t.reshape(shape)
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -329,7 +340,7 @@ def value_mix(p, codes, scale, offset, codec, skip: int) -> torch.Tensor:
     b, h, n, _ = codes.shape
     ng = codec.shape[1]
     shape = (b, h, n, codec.g * ng)
-    chunks = max(1, min(n, -(-2 * torch.get_num_threads() // (b * h))))
+    chunks = _chunks(b, h, n, codec.g)
     return _STATE["module"].value_mix(codes, _meta(scale, shape), _meta(offset, shape), p, codec.backend.bits,
                                       codec.g, ng, codec.d, chunks, skip)
 
@@ -341,7 +352,7 @@ def attend(q, keys, values, exact, at_blocks: int, skip: int, mask) -> torch.Ten
     (kc, ks, ko, kcodec), (vc, vs, vo, vcodec) = keys, values
     b, h, n, _ = kc.shape
     ng = vcodec.shape[1]
-    chunks = max(1, min(n, -(-2 * torch.get_num_threads() // (b * h))))
+    chunks = _chunks(b, h, n, kcodec.g)
     kshape, vshape = (b, h, n, kcodec.d), (b, h, n, vcodec.g * ng)
     return _STATE["module"].attend(q.contiguous(), kc, _meta(ks, kshape), _meta(ko, kshape), vc, _meta(vs, vshape),
                                    _meta(vo, vshape), [k for k, _ in exact], [v for _, v in exact], at_blocks, skip,
