@@ -157,7 +157,8 @@ def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
 
         q = spec.quantize
         layer = Quantize(layer, Codec(q.codec), q.residual_length, q.sink_tokens, window=q.window,
-                         max_length=q.max_length, shared=None if spec.owned_outputs else shared)
+                         max_length=q.max_length, shared=None if spec.owned_outputs else shared,
+                         packed_attention=q.packed_attention and not spec.cross)
     if spec.cross:  # read back every step through .keys / .values
         from tiercache.layers.cross import CrossAttention
 

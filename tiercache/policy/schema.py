@@ -50,6 +50,8 @@ class QuantizePolicy:
     meta_bits: int | None = None  # each group's scale and offset: None in the model dtype; 8 as one byte each
     # on grids of the block (quantize/metacodes.py): 0.27 bits per element for groups of 64 instead of 0.5 in bf16
     key_gain: float = 1.0  # attention reads the packed keys times this (1.0: as given); no bytes, no cost per step
+    packed_attention: bool = True  # decode steps attend over the packed codes (quantize/packed_kv.py); false:
+    # dequantize into a workspace, then the model's attention (the reference path); not part of the block format
 
     def bits_of(self, which: str) -> int:
         """Bits of ``"keys"`` or ``"values"``: ``key_bits`` / ``value_bits``, else ``bits``."""
