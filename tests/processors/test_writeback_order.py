@@ -1,10 +1,11 @@
 """Offload write-backs: failures that surface late, the layer's batch while a write-back is staged,
-and the order of the host copy's changes against the layer's own fetch (the GPU path, driven on
-the CPU with the stand-ins of ``test_lifecycle_pending``: a staged write-back is *in flight*
-until someone waits for it).
+and the order of the host copy's changes against the layer's own fetch (the GPU path, run on the
+simulated device as in ``test_lifecycle_pending``: a staged write-back is *in flight* until its
+stream is advanced).
 
 - A staged write-back that the host layer cannot take (disk full, a pinned buffer that cannot
-  grow) may surface while *another* layer fetches this one ahead, where the fetch is optional
+  grow) surfaces when it lands and joins the host layer, maybe while *another* layer fetches this
+  one ahead, where the fetch is optional
   and its error is dropped: the layer must still refuse every later use (``CacheError``, "reset
   the cache"), never go on silently without those tokens; ``reset`` makes it usable again.
 - A layer whose only update is staged knows its batch (as it knows it is initialized).
@@ -26,6 +27,7 @@ from tiercache.model_spec import ModelSpec
 from tiercache.processors import writeback
 from tiercache.processors.prefetch import Prefetcher
 from tests.processors.test_offload import Pair, build, tokens
+from tests.processors.simdev import sim  # noqa: F401 (fixture)
 from tests.processors.test_lifecycle_pending import HOST, SPEC, deferred, feed  # noqa: F401 (fixture)
 
 FAILURES = {"cache-error": lambda: CacheError("disk full"), "out-of-memory": lambda: torch.OutOfMemoryError("pinned")}
@@ -42,6 +44,7 @@ def test_a_failed_write_back_dropped_by_a_fetch_ahead_still_refuses_the_layer(de
         raise FAILURES[failure]()
 
     layer.inner.append = refuse  # the host layer cannot take it
+    deferred.synchronize()  # it lands: the next use of the layer (a fetch ahead) joins it
     k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
     try:  # layer 0's update fetches layer 1 ahead: its write-back surfaces there
         cache.update(k, v, 0)

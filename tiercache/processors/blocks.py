@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.processors import backends, metacodes
+from tiercache.processors import backends, metacodes, runtime
 from tiercache.processors.codec import CodecSpec, row_layout, token_groups
 
 __all__ = ["BlockCodec", "Codec", "pack", "unpack", "plane", "token_groups"]
@@ -55,7 +55,7 @@ _SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _shifts(bits: int, count: int, device: torch.device) -> torch.Tensor:
-    key = (bits * 100 + count, device)
+    key = (bits * 100 + count, runtime.device_key(device))
     if key not in _SHIFTS:
         _SHIFTS[key] = (torch.arange(count, dtype=torch.uint8) * bits).to(device)
     return _SHIFTS[key]
