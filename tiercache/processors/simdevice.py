@@ -9,7 +9,8 @@
                                            so a test sets it around a layer's work, as
                                            ``torch.cuda.device(i)`` would)
     sim.synchronize()                      every stream of every device lands (a host sync)
-    sim.allocs                             device allocations so far (regrowth shows here)
+    sim.allocs, sim.device_allocs          allocations so far: all, and ``device_empty`` ones (the
+                                           memory a cache asks for: regrowth shows here)
 
 Simulated "device" tensors are CPU tensors whose memory lies in one device's *arena* (a big
 uint8 buffer, one per simulated device): ``device_of(t)`` is found from the address. A
@@ -244,6 +245,7 @@ class Sim:
     def __init__(self, devices: int = 1, nbytes: int = 64 << 20):
         self.clock = 0
         self.allocs = 0
+        self.device_allocs = 0
         self.index = 0
         self.busy = 0
         self.collecting = False
@@ -307,6 +309,7 @@ class Sim:
     def device_empty(self, nbytes: int, home: SimDevice) -> torch.Tensor:
         with self.quiet():
             self.collect()
+            self.device_allocs += 1
             return home.tensor(home.alloc(nbytes), (nbytes,), (1,), torch.uint8)
 
     def current_device(self) -> int:
@@ -360,13 +363,15 @@ class Sim:
         dev = self.device_of(t)
         return None if dev is None else dev.block_at(t.data_ptr())
 
-    def place(self, out, home: SimDevice):
-        """``out`` (a fresh host tensor) copied into ``home``'s arena, same shape and strides."""
+    def place(self, out, home: SimDevice, copy: bool = True):
+        """``out`` (a fresh host tensor) copied into ``home``'s arena, same shape and strides
+        (``copy=False``: uninitialised, what the arena holds there: poison, or an earlier owner's bytes)."""
         if not isinstance(out, torch.Tensor) or out.numel() == 0 or self.device_of(out) is not None:
             return out
         span = sum((s - 1) * st for s, st in zip(out.shape, out.stride())) + 1
         t = home.tensor(home.alloc(span * out.element_size()), out.shape, out.stride(), out.dtype)
-        t.copy_(out)
+        if copy:
+            t.copy_(out)
         return t
 
     def collect(self) -> None:
@@ -540,7 +545,8 @@ class _Mode(TorchDispatchMode):
             if sim.host_depth or schema.name in HOST_FACTORIES or kwargs.get("pin_memory"):
                 return out
             sim.clock += 1
-            return tree_map(lambda o: sim.place(o, sim.devices[sim.index]), out)
+            empty = schema.name in ("aten::empty", "aten::empty_strided")
+            return tree_map(lambda o: sim.place(o, sim.devices[sim.index], copy=not empty), out)
         mutated = _mutated(func, args, kwargs)
         homes = [sim.device_of(t) for t in tensors]
         devs = {h for h in homes if h is not None}
