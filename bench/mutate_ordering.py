@@ -76,7 +76,7 @@ def run(rel: str, n: int, timeout: int) -> tuple[bool, str, float]:
         except subprocess.TimeoutExpired:
             return True, "timeout (a hang counts as caught)", time.perf_counter() - start
         took = time.perf_counter() - start
-        failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
+        failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)  # ERROR: a hazard seen at teardown
         if proc.returncode == 0:
             return False, "", took
         return True, failed[0] if failed else proc.stdout.strip().splitlines()[-1], took

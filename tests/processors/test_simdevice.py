@@ -148,6 +148,24 @@ def test_slot_bytes_replaced_while_a_fetch_is_in_flight(sim, tmp_path):  # noqa:
     pair.check()
 
 
+@pytest.mark.parametrize("storage,syncs", [("full", False), ("static", False), ("sliding", True)])
+def test_which_host_layers_write_back_without_a_host_sync(sim, storage, syncs, tmp_path):  # noqa: F811
+    """Full and static host layers stage their write-backs (no host sync while decoding); sliding
+    ones copy synchronously (the reason is in ``writeback.py``)."""
+    off, ref, pf = plain.build(storage, "cpu", 1, tmp_path)
+    pair, g = plain.Pair(off, ref, storage), torch.Generator().manual_seed(6)
+    before = None
+    for step in range(8):
+        if step == 3:
+            before = sim.host_syncs
+        for lo, lr in zip(off, ref):
+            k, v = plain.tokens(5 if step == 0 else 1, torch.float32, 2, g)
+            pair.same(lo.update(k, v), lr.update(k, v))
+    assert (sim.host_syncs > before) == syncs
+    assert pf.stats()["host_waits"] == 0
+    pair.check()
+
+
 def one_row_layers(n: int = 3, storage: str = "full"):
     pf = Prefetcher()
     kw = {"max_length": 512} if storage == "static" else {}

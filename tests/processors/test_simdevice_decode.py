@@ -22,9 +22,14 @@ SPEC = ModelSpec("sim", 5, ("full_attention",) * 4 + ("sliding_attention",), kv_
 PREFILL, STEPS, WARM = 190, 70, 3
 
 
-def policies(path: Path):
-    raw = yaml.safe_load(path.read_text())
+STATIC = {"name": "static-offload", "storage": "static", "max_length": 512,
+          "offload": {"device": "cpu", "prefetch": 1}}
+
+
+def policies(path):
+    raw = dict(STATIC) if path == "static" else yaml.safe_load(path.read_text())
     raw.pop("budget", None)
+    raw["offload"] = dict(raw["offload"])
     if raw["offload"].get("device") == "disk":
         raw["offload"]["path"] = None
     resident = {**raw, "name": raw["name"] + "-resident", "offload": None,
@@ -47,7 +52,7 @@ def decode(sim, path: Path):
             k, v = kv(sim, dev, (1, 2, t, 8), g)
             with sim.device(dev):  # (what a "cpu" factory means here: see simdevice's docstring)
                 a, b = off.update(k, v, i), ref.update(k, v, i)
-            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (path.name, step, i)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (path, step, i)
     stats = off.offload_stats()
     assert stats["side_fetches"] > 0 and stats["bytes_d2h"] > 0
     assert stats["host_waits"] - waits == 0, stats  # steady decoding never blocks on a write-back
@@ -64,11 +69,15 @@ def test_configs_found():
     assert {p.stem for p in CONFIGS} >= {"offload-cpu", "tiered-int4-offload", "gpu-8gb", "disk"}
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+POLICIES = [*CONFIGS, "static"]  # and static storage offloaded (no config uses it)
+IDS = [p if isinstance(p, str) else p.stem for p in POLICIES]
+
+
+@pytest.mark.parametrize("path", POLICIES, ids=IDS)
 def test_decode_one_device(sim, path):  # noqa: F811
     decode(sim, path)
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+@pytest.mark.parametrize("path", POLICIES, ids=IDS)
 def test_decode_two_devices(sim2, path):  # noqa: F811
     decode(sim2, path)

@@ -9,7 +9,7 @@ stream is advanced).
   and its error is dropped: the layer must still refuse every later use (``CacheError``, "reset
   the cache"), never go on silently without those tokens; ``reset`` makes it usable again.
 - A layer whose only update is staged knows its batch (as it knows it is initialized).
-- Non-deferred write-backs (sliding, static, disk host layers) change the host copy in place
+- Non-deferred write-backs (sliding and disk host layers) change the host copy in place
   (a sliding window slides down): the one host sync of such an update must come after the
   layer's mirror was acquired (on CUDA the compute stream has then waited for its fetch), so the
   host copy never changes under a fetch still reading it.
@@ -75,9 +75,9 @@ def test_a_staged_first_update_knows_its_batch(deferred):  # noqa: F811
     cache.close()
 
 
-@pytest.mark.parametrize("storage", ["sliding", "static"])
-def test_a_synchronous_write_back_waits_after_the_layer_fetch(storage, monkeypatch, tmp_path):
-    off, ref, _ = build(storage, "cpu", 1, tmp_path)
+@pytest.mark.parametrize("storage,device", [("sliding", "cpu"), ("static", "disk")])
+def test_a_synchronous_write_back_waits_after_the_layer_fetch(storage, device, monkeypatch, tmp_path):
+    off, ref, _ = build(storage, device, 1, tmp_path)
     order: list[str] = []
     acquire, to_host = Prefetcher.acquire, writeback.to_host
 

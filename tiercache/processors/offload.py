@@ -48,12 +48,12 @@ Without CUDA the compute device and the host are both the CPU: every copy still 
 the same code (fetch, append, write-back), with no stream or event, and results are
 bit-identical to a resident layer.
 
-Write-back (``tiercache.processors.writeback``): on CUDA, for full storage in pinned host memory
-(``deferred``), the new tokens reach the host layer without a host sync; they join it once landed
+Write-back (``tiercache.processors.writeback``): on CUDA, for full and static storage in pinned
+host memory (``deferred``), the new tokens reach the host layer without a host sync; they join it once landed
 (checked with ``query()`` at the layer's uses, never a wait) and at the latest at a host-side or
 lifecycle operation (``_settle``, which waits); a fetch meanwhile copies the staged tokens from
-their pinned staging after the host copy, on the side stream that wrote them; ``seq_length`` and ``mask_sizes`` count the staged tokens. Elsewhere it is synchronous,
-after the mirror is acquired. A write-back that failed refuses every use (``CacheError``) until
+their pinned staging after the host copy, on the side stream that wrote them; ``seq_length`` and ``mask_sizes`` count the staged tokens. Elsewhere (sliding, disk) it is
+synchronous, after the mirror is acquired. A write-back that failed refuses every use (``CacheError``) until
 ``reset`` (which drops pending write-backs) or a replacing ``ingest`` / ``load_state_dict`` / ``adopt``.
 """
 
@@ -103,8 +103,9 @@ class Offload(KVLayer):
         limit = inner.max_length()
         self.pad = limit if (not inner.is_sliding and limit > 0) else 0  # static: views span max_length
         self.device: torch.device | None = None  # the compute device, from the first update (sets `home`)
-        # CUDA write-backs not yet in the host layer, oldest first (full storage only)
-        self.deferred = deferred and not inner.is_sliding and inner.max_length() <= 0
+        # CUDA write-backs not yet in the host layer, oldest first (full and static storage; not a
+        # padded static layer, whose answer spans max_length): see writeback.py for sliding
+        self.deferred = deferred and not inner.is_sliding and not inner.is_compileable
         self.staged = writeback.Staged(prefetcher, index)
         self.key = prefetcher.register(self, index)
 
@@ -118,7 +119,7 @@ class Offload(KVLayer):
             return self._append_long(key, value)
         mirror = self.prefetcher.acquire(self, room=t)  # may raise CacheError (device memory): nothing changed
         self.prefetcher.reserve(mirror, key, value)  # likewise, before the host copy changes
-        if defer:  # full storage: it will show every held token
+        if defer:  # full or static storage: it will show every held token
             writeback.write_back(self, key, value, *writeback.staging(key, value))  # [B, H, T, D] pinned
             shown = mirror.held + t
         else:
@@ -180,7 +181,7 @@ class Offload(KVLayer):
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
         kv_length, offset = self.inner.mask_sizes(query_length)
-        return kv_length + writeback.staged_tokens(self), offset  # staged only on full storage: no window offset
+        return kv_length + writeback.staged_tokens(self), offset  # staged only on full / static storage: no window offset
 
     def max_length(self) -> int:
         return self.inner.max_length()

@@ -9,6 +9,7 @@
                                            so a test sets it around a layer's work, as
                                            ``torch.cuda.device(i)`` would)
     sim.synchronize()                      every stream of every device lands (a host sync)
+    sim.host_syncs                         event / stream synchronizes that had to wait for queued work
     sim.allocs, sim.device_allocs          allocations so far: all, and ``device_empty`` ones (the
                                            memory a cache asks for: regrowth shows here)
 
@@ -213,6 +214,8 @@ class SimStream:
         self.wait_event(event)
 
     def synchronize(self) -> None:
+        if self.done < self.enq:
+            self.sim.host_syncs += 1
         self.advance(self.enq)
 
     def query(self) -> bool:
@@ -234,6 +237,8 @@ class SimEvent:
 
     def synchronize(self) -> None:
         if self.stream is not None:
+            if self.stream.done < self.pos:
+                self.sim.host_syncs += 1  # the host blocks on work still queued
             self.stream.advance(self.pos)
 
 
@@ -246,6 +251,7 @@ class Sim:
         self.clock = 0
         self.allocs = 0
         self.device_allocs = 0
+        self.host_syncs = 0
         self.index = 0
         self.busy = 0
         self.collecting = False

@@ -16,7 +16,7 @@ only its ``Staged`` queue, through the queue's methods.
 Streams, events, pinned memory and ``record_stream`` come from the device runtime
 (``tiercache.processors.runtime``); "CUDA" below means any stream device (the simulated one too).
 
-Write-back on CUDA (``deferred``: full storage in pinned host memory, the ``cpu`` tier): the new
+Write-back on CUDA (``deferred``: full or static storage in pinned host memory, the ``cpu`` tier): the new
 tokens are copied into a pinned staging pair on the side stream of their device (after it waits for
 the compute stream; ``record_stream`` keeps their device memory alive), with an event; the
 update returns at once, no host sync. The staged tokens join the host layer once the event has
@@ -28,9 +28,17 @@ stream that wrote them: ordered after the write-backs, with no host wait.
 ``seq_length`` and ``mask_sizes`` count the staged tokens. An error from the host tier (a CUDA
 error of the copy, the host buffer that cannot grow) raises ``CacheError`` naming the layer when
 it surfaces, and at every later use of the layer until it is reset or its state replaced
-(``Staged.failed``). Disk, sliding and static host layers copy synchronously (one event wait per
-update, after the layer's mirror was acquired: the host copy changes only once its fetch has
-landed): their update reads or moves host memory at once.
+(``Staged.failed``).
+
+Sliding and disk host layers copy synchronously (one event wait per update, after the layer's
+mirror was acquired: the host copy changes only once its fetch has landed). Why not sliding:
+what a sliding layer shows and keeps for an update (the window's tail; a long update's fresh
+tensors; every token while recording) is decided by its ``append``, and the mirror follows that
+answer (``Mirror.keep``); deferring the append would have ``Offload`` predict the window's rules
+instead of asking the layer, which the layer protocol does not offer. Its window is small, so the
+wait costs latency, not bandwidth. Disk: the host tier is pageable memory-mapped files, which a
+non-blocking copy cannot target (CUDA copies to pageable memory synchronously anyway). Static
+storage (not padded) is deferred like full storage: it shows every held token and keeps them all.
 
 Every lifecycle operation of the layer settles first (``state_dict``, ``export``: fork, save,
 retier read every token; ``load_state_dict``, ``ingest``, ``evict`` replace or drop the host
@@ -63,7 +71,7 @@ def to_host(key: torch.Tensor, value: torch.Tensor):
 
 
 def defers(layer, key: torch.Tensor) -> bool:
-    """Whether this update's write-back is staged (a stream device, full storage in host memory)."""
+    """Whether this update's write-back is staged (a stream device, full or static storage in host memory)."""
     return layer.deferred and runtime.current().device_of(key) is not None
 
 
