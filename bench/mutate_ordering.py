@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL = re.compile(r"\.(wait_event|wait_stream|synchronize)\(|record_stream\(")
-SKIP = {"tiercache/processors/simdevice.py", "tiercache/processors/runtime.py"}
+SKIP = {"tiercache/processors/simdevice.py", "tiercache/processors/simmemory.py", "tiercache/processors/runtime.py"}
 TESTS = [
     "tests/processors/test_simdevice.py",
     "tests/processors/test_simdevice_decode.py",
