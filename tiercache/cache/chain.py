@@ -78,7 +78,7 @@ class Shared:
 
     def __init__(self):
         self._prefetcher = None
-        self._workspaces: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._workspaces: dict[tuple, torch.Tensor] = {}  # (dtype, device, stream device) -> buffer
 
     @property
     def prefetcher(self):
@@ -90,12 +90,15 @@ class Shared:
 
     def workspace(self, shapes, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         need = [math.prod(s) for s in shapes]
-        buf = self._workspaces.get((dtype, device))
+        from tiercache.offload import runtime  # one per device: the runtime tells devices apart (simulated ones too)
+
+        key = (dtype, *runtime.device_key(device))
+        buf = self._workspaces.get(key)
         if buf is None or buf.numel() < sum(need):  # rounded up, so this is rare: only then the chunks
             capacity = sum(math.prod(s[:-2]) * capacity_for(s[-2]) * s[-1] for s in shapes)
             if buf is None or buf.numel() < capacity:
-                buf = self._workspaces[(dtype, device)] = None  # the old one is freed before the new is made
-                buf = self._workspaces[(dtype, device)] = torch.empty(capacity, dtype=dtype, device=device)
+                buf = self._workspaces[key] = None  # the old one is freed before the new is made
+                buf = self._workspaces[key] = torch.empty(capacity, dtype=dtype, device=device)
         out, at = [], 0
         for shape, n in zip(shapes, need):
             out.append(buf.narrow(0, at, n).view(shape))
@@ -112,7 +115,7 @@ class Shared:
         from tiercache.layers.tiers import place_of
 
         out: dict[str, int] = {}
-        for (_, device), buf in self._workspaces.items():
+        for (_, device, _), buf in self._workspaces.items():
             out[place_of(device)] = out.get(place_of(device), 0) + buf.numel() * buf.element_size()
         return out
 
