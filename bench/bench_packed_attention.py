@@ -33,6 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from tiercache import TieredCache
+from tiercache.cache.compat import cache_arg
 from tiercache.models import registry as builtin
 from tiercache.quantize import packed_cpu
 
@@ -68,7 +69,7 @@ def caches_for(model, past, names):
 def run_context(model, ids, context: int, steps: int, names) -> dict:
     prompt = ids[:, :context]
     ref = DynamicCache(config=model.config)
-    logits = model(prompt, past_key_values=ref, use_cache=True).logits
+    logits = model(prompt, **cache_arg(ref), use_cache=True).logits
     past = tuple((layer.keys, layer.values) for layer in ref.layers)
     caches = caches_for(model, past, names)
     del ref
@@ -76,14 +77,14 @@ def run_context(model, ids, context: int, steps: int, names) -> dict:
     times = {name: [] for name in names}
     order = list(names)
     for name in names:  # one warm-up step each (the kernel's first load, the workspace)
-        model(nxt, past_key_values=caches[name], use_cache=True)
+        model(nxt, **cache_arg(caches[name]), use_cache=True)
     for name in names:  # the warm-up step is undone: every cache decodes from the prompt's state
         caches[name].crop(-1)
     for step in range(steps):
         tokens.append(nxt)
         for name in order:
             t0 = time.perf_counter()
-            out = model(nxt, past_key_values=caches[name], use_cache=True).logits
+            out = model(nxt, **cache_arg(caches[name]), use_cache=True).logits
             times[name].append(time.perf_counter() - t0)
             if name == "fp":
                 following = out[:, -1:].argmax(-1)

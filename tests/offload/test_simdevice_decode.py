@@ -52,7 +52,9 @@ def decode(sim, path: Path):
             k, v = kv(sim, dev, (1, 2, t, 8), g)
             with sim.device(dev):  # (what a "cpu" factory means here: see simdevice's docstring)
                 a, b = off.update(k, v, i), ref.update(k, v, i)
-            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (path, step, i)
+                # read on the layer's device, as its attention does: a quantized layer's decode step
+                # returns PackedKV, dequantized on first use into that device's workspace
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (path, step, i)
     stats = off.offload_stats()
     assert stats["side_fetches"] > 0 and stats["bytes_d2h"] > 0
     assert stats["host_waits"] - waits == 0, stats  # steady decoding never blocks on a write-back

@@ -12,6 +12,7 @@ import torch
 
 from builders import FAMILIES, build, prompt
 from tiercache import TieredCache
+from tiercache.cache.compat import cache_arg
 from tiercache.models.load import load_model
 from tiercache.models.tiny import eval_ids
 from tiercache.quantize import packed_kv
@@ -50,7 +51,7 @@ def test_tiny_model_generates_the_same_tokens(q, monkeypatch):
     for packed in (True, False):
         cache = cache_for(model.config, q, packed)
         with torch.no_grad():
-            outs.append(model.generate(ids, past_key_values=cache, max_new_tokens=40, do_sample=False))
+            outs.append(model.generate(ids, **cache_arg(cache), max_new_tokens=40, do_sample=False))
     assert calls.n == 39 * model.config.num_hidden_layers  # every decode step of every layer, none of the prefill
     assert torch.equal(outs[0], outs[1])
 
@@ -67,7 +68,7 @@ def test_families_logits_match(family, monkeypatch):
     for packed in (True, False):
         cache = cache_for(model.config, q, packed)
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False,
+            out = model.generate(ids, attention_mask=mask, **cache_arg(cache), max_new_tokens=8, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
         logits.append(torch.stack(out.logits))
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-4)

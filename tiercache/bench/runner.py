@@ -116,13 +116,13 @@ def _footprint(setup: Setup, model, prompt: torch.Tensor, steps: int) -> dict:
     cache = setup.make()
     x = prompt.to(model.device)[None]  # [1, T]
     for s in range(0, x.shape[1], PREFILL_CHUNK):
-        logits = model(input_ids=x[:, s : s + PREFILL_CHUNK], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=x[:, s : s + PREFILL_CHUNK], **cache_arg(cache), use_cache=True).logits[:, -1]
     _sync(model.device)
     held = sum(cache_nbytes(cache).values())
     nxt = logits.argmax(-1, keepdim=True)  # [1, 1]
     with AllocationMeter(watch=cache_tensors(cache)) as meter:  # a buffer the cache replaces counts as freed
         for _ in range(steps):
-            nxt = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            nxt = model(input_ids=nxt, **cache_arg(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         _sync(model.device)
     _close(cache)
     return {"held_before_decode": held, "peak": held + meter.peak}
