@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-NAME = "tiercache_packed_v7"
+NAME = "tiercache_packed_v9"
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -36,6 +36,18 @@ SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+  // eight fixed lanes summed in a fixed order: the same bits wherever the data lies (a vectorizer's
+  // reduction peels for alignment, so its sum order, and its last bit, would follow the addresses)
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[c + l] * b[c + l];
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; c < n; ++c) s += a[c] * b[c];
+  return s;
+}
 
 template <int BITS>
 static inline void unpack_block(const uint8_t* row, float* cf, int64_t G, int64_t D) {
@@ -84,11 +96,7 @@ static void keys_channel(const torch::Tensor& codes, const torch::Tensor& scale,
           z += qq[m * D + c] * (o[c] + mid * s[c]);
         }
         for (int64_t t = (n == 0 ? skip : 0); t < G; ++t) {
-          const float* x = cf.data() + t * D;
-          float a = 0.f;
-#pragma omp simd reduction(+ : a)
-          for (int64_t c = 0; c < D; ++c) a += w[c] * x[c];
-          dst[m * rs[2] + t] = a + z;
+          dst[m * rs[2] + t] = dot(w, cf.data() + t * D, D) + z;
         }
       }
     }
@@ -210,11 +218,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch:
         for (int64_t j = 0; j < n; ++j)
           for (int64_t m = 0; m < M; ++m) {
             const float* qq = qp + (bh * M + m) * D;
-            const float* kk = kp + j * st;
-            float a = 0.f;
-#pragma omp simd reduction(+ : a)
-            for (int64_t c = 0; c < D; ++c) a += qq[c] * kk[c];
-            bp[(bh * M + m) * S + start[i] + j] = a;
+            bp[(bh * M + m) * S + start[i] + j] = dot(qq, kp + j * st, D);
           }
       }
       for (int64_t m = 0; m < M; ++m) {  // the softmax, over every column at once
@@ -225,9 +229,14 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch:
         }
         float mx = -INFINITY;
         for (int64_t j = 0; j < S; ++j) mx = std::max(mx, row[j]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < S; ++j) { row[j] = exp_simd(row[j] - mx); sum += row[j]; }
+#pragma omp simd
+        for (int64_t j = 0; j < S; ++j) row[j] = exp_simd(row[j] - mx);
+        float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // fixed order, as dot()
+        int64_t j = 0;
+        for (; j + 8 <= S; j += 8)
+          for (int l = 0; l < 8; ++l) lanes[l] += row[j + l];
+        float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+        for (; j < S; ++j) sum += row[j];
         const float inv = 1.f / sum;
         for (int64_t j = 0; j < S; ++j) row[j] *= inv;
       }
@@ -298,7 +307,7 @@ def available() -> bool:
                 from torch.utils.cpp_extension import load_inline
 
                 _STATE["module"] = load_inline(NAME, cpp_sources=SOURCE, functions=["key_scores", "value_mix", "attend"],
-                                               extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                                                extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # no compiler, no ninja: the torch reference serves
                 warnings.warn(f"tiercache: the packed-attention CPU kernel could not be built ({type(e).__name__}: "
