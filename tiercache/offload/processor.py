@@ -44,17 +44,23 @@ prefetcher, which reports them once for the whole cache (``Prefetcher.nbytes()``
 ``TieredCache.nbytes``); on a CPU-only run the "device" is the CPU, so they appear under
 ``"cpu"`` as well: they are real extra bytes there.
 
-Without CUDA the compute device and the host are both the CPU: every copy still happens through
+Without a stream device the compute device and the host are both the CPU: every copy still happens through
 the same code (fetch, append, write-back), with no stream or event, and results are
 bit-identical to a resident layer.
 
 Write-back (``tiercache.offload.writeback``): on CUDA, for full and static storage in pinned
-host memory (``deferred``), the new tokens reach the host layer without a host sync; they join it once landed
-(checked with ``query()`` at the layer's uses, never a wait) and at the latest at a host-side or
-lifecycle operation (``_settle``, which waits); a fetch meanwhile copies the staged tokens from
-their pinned staging after the host copy, on the side stream that wrote them; ``seq_length`` and ``mask_sizes`` count the staged tokens. Elsewhere (sliding, disk) it is
-synchronous, after the mirror is acquired. A write-back that failed refuses every use (``CacheError``) until
-``reset`` (which drops pending write-backs) or a replacing ``ingest`` / ``load_state_dict`` / ``adopt``.
+host memory (``deferred``), the new tokens reach the host layer without a host sync; they join it
+once landed (checked with ``query()`` at the layer's uses, never a wait) and at the latest at a
+host-side or lifecycle operation (``_settle``, which waits); a fetch meanwhile copies the staged
+tokens from their pinned staging after the host copy, on the side stream that wrote them;
+``seq_length`` and ``mask_sizes`` count the staged tokens. Elsewhere (sliding, disk) it is
+synchronous, after the mirror is acquired. A write-back that failed refuses every use
+(``CacheError``) until ``reset`` (which drops pending write-backs) or a replacing ``ingest`` /
+``load_state_dict`` / ``adopt``.
+
+Streams, events, pinned memory and device memory come from the device runtime
+(``tiercache.offload.runtime``): CUDA, or the simulated device the CPU tests run this same
+code on (``tiercache.offload.simdevice``).
 """
 
 from __future__ import annotations
