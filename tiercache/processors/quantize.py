@@ -352,6 +352,9 @@ class Quantize(KVLayer):
         rows = tuple(r if r.device == s.device else r.to(s.device, non_blocking=True) for r in shown)
         packed = Packed(sinks, rows, skip, tail, self.codecs)
         size = packed.length  # [B, H, size, D]: what _assemble would return
+        if self.window is None or size <= self.window:  # held as the plan counts it, ready for a fallback
+            self.shared.workspace([(s.batch, s.heads, size, s.key_dim), (s.batch, s.heads, size, s.value_dim)],
+                                  s.dtype, s.device)
         return packed_pair(packed, lambda: self._assemble(blocks, new, visible, residual=res),
                            (s.batch, s.heads, size, s.key_dim), (s.batch, s.heads, size, s.value_dim), s.dtype, s.device)
 
