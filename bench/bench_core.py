@@ -27,6 +27,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from tiercache import TieredCache
 from tiercache.models.load import load_model
+from tiercache.cache.compat import cache_arg
 
 
 def tiny_llama(device: str):
@@ -52,7 +53,7 @@ def decode_rate(model, make_cache, ids, new: int) -> tuple[float, torch.Tensor]:
     """Decode tokens/s between the first step (after prefill) and the last."""
     clock = StepClock()
     with torch.no_grad():
-        out = model.generate(ids, past_key_values=make_cache(), max_new_tokens=new, min_new_tokens=new,
+        out = model.generate(ids, **cache_arg(make_cache()), max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, logits_processor=LogitsProcessorList([clock]))
     return (len(clock.stamps) - 1) / (clock.stamps[-1] - clock.stamps[0]), out
 
@@ -80,7 +81,7 @@ def step_breakdown(model, make_cache, ids, new: int) -> dict[str, float]:
     try:
         clock = StepClock()
         with torch.no_grad():
-            model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new,
+            model.generate(ids, **cache_arg(cache), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, logits_processor=LogitsProcessorList([clock]))
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa

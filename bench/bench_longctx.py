@@ -23,6 +23,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from tiercache.cache.compat import cache_arg
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -88,7 +89,7 @@ def run_one(model, name: str, context: int, new: int, chunk: int, device: str) -
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), max_new_tokens=new,
                              min_new_tokens=new, do_sample=False)
     if cuda:
         torch.cuda.synchronize()

@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from tiercache import TieredCache
+from tiercache.cache.compat import cache_arg
 
 OFFLOAD = {"device": "cpu", "prefetch": 1, "pin_memory": True}
 INT4 = {"backend": "native", "bits": 4, "group_size": 64, "residual_length": 128}
@@ -68,10 +69,10 @@ def sync(device: str) -> None:
 @torch.no_grad()
 def measure(name: str, model, args, ids: torch.Tensor) -> dict:
     cache = CACHES[name](model.config)
-    model(ids[:, : args.context], past_key_values=cache, use_cache=True)  # prefill
+    model(ids[:, : args.context], **cache_arg(cache), use_cache=True)  # prefill
     pos = args.context
     for _ in range(args.warmup):
-        model(ids[:, pos : pos + 1], past_key_values=cache, use_cache=True)
+        model(ids[:, pos : pos + 1], **cache_arg(cache), use_cache=True)
         pos += 1
     offloaded = isinstance(cache, TieredCache) and cache.offload_stats()["fetches"] > 0  # (prefill fetched)
     moved0 = bus_bytes(cache) if offloaded else 0
@@ -80,7 +81,7 @@ def measure(name: str, model, args, ids: torch.Tensor) -> dict:
     sync(args.device)
     start = time.perf_counter()
     for _ in range(args.new):
-        model(ids[:, pos : pos + 1], past_key_values=cache, use_cache=True)
+        model(ids[:, pos : pos + 1], **cache_arg(cache), use_cache=True)
         pos += 1
     sync(args.device)
     seconds = time.perf_counter() - start

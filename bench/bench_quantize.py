@@ -34,6 +34,7 @@ from transformers import DynamicCache, QuantizedCache
 from tiercache import TieredCache
 from tiercache.models.tiny import eval_ids
 from tiercache.models.load import load_model
+from tiercache.cache.compat import cache_arg
 
 FP, THEIRS, OURS = "full precision (DynamicCache)", "transformers QuantizedCache (quanto)", "tiercache Quantize (native, KIVI)"
 OURS_QUANTO, OURS_TOKEN = "tiercache Quantize (quanto, KIVI)", "tiercache Quantize (native, per-token keys)"
@@ -85,7 +86,7 @@ def run(model, caches: dict, prompt: torch.Tensor, new: int) -> dict:
     taps = AttentionTap(model)
     recs = {}
     for name, cache in caches.items():
-        logits = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:]
+        logits = model(prompt, **cache_arg(cache), use_cache=True).logits[:, -1:]
         recs[name] = {"cache": cache, "time": 0.0, "sizes": [], "logits": [], "attn": [], "first": logits}
     taps.out.clear()
     names = list(recs)
@@ -94,7 +95,7 @@ def run(model, caches: dict, prompt: torch.Tensor, new: int) -> dict:
         for name in names[i % len(names):] + names[: i % len(names)]:  # the order rotates every step
             r = recs[name]
             start = time.perf_counter()
-            logits = model(nxt, past_key_values=r["cache"], use_cache=True).logits[:, -1:]
+            logits = model(nxt, **cache_arg(r["cache"]), use_cache=True).logits[:, -1:]
             r["time"] += time.perf_counter() - start
             r["logits"].append(logits)
             r["attn"].append(torch.stack(taps.out).flatten(1))  # [layers, hidden]
@@ -160,7 +161,7 @@ def components(model, makers: dict, prompt: torch.Tensor, tokens: torch.Tensor) 
     quantize / the rest. The caches decode in lockstep, the order rotating, as in ``run``."""
     caches = {name: make() for name, (make, _) in makers.items()}
     for cache in caches.values():
-        model(prompt, past_key_values=cache, use_cache=True)
+        model(prompt, **cache_arg(cache), use_cache=True)
     clocks = {name: Clock() for name in makers}
     totals = dict.fromkeys(makers, 0.0)
     names = list(makers)
@@ -168,7 +169,7 @@ def components(model, makers: dict, prompt: torch.Tensor, tokens: torch.Tensor) 
         for name in names[i % len(names):] + names[: i % len(names)]:
             with instrumented(clocks[name], makers[name][1]):
                 start = time.perf_counter()
-                model(tokens[:, i : i + 1], past_key_values=caches[name], use_cache=True)
+                model(tokens[:, i : i + 1], **cache_arg(caches[name]), use_cache=True)
                 totals[name] += time.perf_counter() - start
     out = {}
     for name in names:

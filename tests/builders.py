@@ -46,6 +46,10 @@ def _config(name: str):
             vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, altup_num_inputs=2, laurel_rank=4,
             **{**COMMON, "hidden_size": 32, "intermediate_size": 64})
         return cfg, tf.Gemma3nForCausalLM
+    from hybrid_models import HYBRID, model_class, tiny_config
+
+    if name in HYBRID:  # hybrid and recurrent families (state layers): tests/hybrid_models.py
+        return tiny_config(name), model_class(name)
     raise KeyError(name)
 
 

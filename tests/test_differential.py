@@ -9,6 +9,14 @@ each layer's ``keys`` / ``values`` (None-ness, shape, contents), update outputs,
 ``get_seq_length``, ``get_mask_sizes``, ``get_max_length``, ``is_initialized``, ``is_sliding``,
 ``is_dummy``, ``batch_size``, and which operations are refused.
 
+Hybrid setups (issue 31: Jamba's Mamba and attention layers, Falcon-H1's hybrid layers, LFM 3's
+conv layers with sliding and full attention) also update each layer's conv / recurrent states as a
+model does (a kernel-long first update, then a few tokens at a time) and compare them exactly
+(``get_conv_state`` / ``get_recurrent_state`` / ``has_previous_state``); transformers' state layers
+have no batch select / repeat, so those operations are left out there. Window-vs-residual setups
+(a quantized sliding layer whose window fits in the residual, and one whose window does not)
+check the sliding rule of ``Policy.resolve``: the first holds its window exact (compared exactly).
+
 Where transformers 5.23 gives no answer or a wrong one, the documented tiercache behaviour is
 checked instead (see ``tiercache.cache.tiered``): a crop transformers refuses while ours is exact
 (``crop(0)`` past a window, emptying a sliding layer, a never-written sliding layer), and a crop
@@ -30,6 +38,7 @@ import torch
 import transformers as tf
 from transformers import DynamicCache
 
+from hybrid_models import tiny_config
 from tiercache import CacheError, TieredCache
 
 OPS = ["update"] * 6 + ["crop"] * 3 + ["reorder", "select", "repeat", "reset", "record", "read", "deepcopy"]
@@ -45,7 +54,12 @@ CONFIGS = {
     "gemma3n-kv-sharing": lambda: tf.Gemma3nTextConfig(
         num_hidden_layers=4, num_kv_shared_layers=2, head_dim=8, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4, **SMALL),
+    "mistral-w8": lambda: tf.MistralConfig(num_hidden_layers=2, sliding_window=8, **SMALL),
+    "jamba-hybrid": lambda: tiny_config("jamba"),  # mamba, attention, mamba
+    "falcon-h1-hybrid": lambda: tiny_config("falcon_h1"),  # hybrid layers: state + attention
+    "lfm3-conv": lambda: tiny_config("lfm3"),  # conv, conv, attention, conv, sliding
 }
+HYBRID = {"jamba-hybrid", "falcon-h1-hybrid", "lfm3-conv"}
 Q = {"backend": "native", "bits": 4, "group_size": 2, "residual_length": 4}
 STATIC_LENGTH = 512
 # (id, config, policy); "{tmp}" is replaced by the test's tmp_path
@@ -73,6 +87,13 @@ SETUPS = [
     ("int4-meta8-sinks-gemma2-offload", "gemma2", {
         "quantize": {**Q, "sink_tokens": 1, "meta_bits": 8}, "offload": {"device": "cpu"}}),
     ("int2-meta8-keys8-mistral-sliding", "mistral", {"quantize": {**Q, "bits": 2, "key_bits": 8, "meta_bits": 8}}),
+    # the sliding rule: window 8 fits in residual 8 (held exact), or not in residual 4 (quantized)
+    ("int4-window-fits-residual-mistral", "mistral-w8", {"quantize": {**Q, "residual_length": 8}}),
+    ("int4-window-over-residual-mistral", "mistral-w8", {"quantize": Q}),
+    ("full-jamba-hybrid", "jamba-hybrid", {}),
+    ("offload-falcon-h1-hybrid", "falcon-h1-hybrid", {"offload": {"device": "cpu"}}),
+    ("int4-offload-jamba-hybrid", "jamba-hybrid", {"quantize": Q, "offload": {"device": "cpu"}}),
+    ("int4-lfm3-conv", "lfm3-conv", {"quantize": Q}),
 ]
 # meta_bits 8 rounds each group's scale and offset to a byte on the row's grids, so even groups of
 # 2 are no longer exact: measured <= 0.02 on these programs (int4), far below a misplaced token's ~1
@@ -92,15 +113,18 @@ def _fill(policy, tmp) -> dict:
 class Program:
     """Runs operations on both caches and compares what they show."""
 
-    def __init__(self, config, policy: dict, seed: int):
+    def __init__(self, config, policy: dict, seed: int, hybrid: bool = False):
+        self.hybrid = hybrid
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.ref = DynamicCache(config=config)
         self.ours = TieredCache.from_policy({"name": "differential", **policy}, config)
-        self.lossy = "quantize" in policy
+        self.lossy = "quantize" in policy and any(lp.quantize for lp in (x.policy for x in self.ours.layers))
         self.atol = META8_ATOL if (policy.get("quantize") or {}).get("meta_bits") else 1e-4
         self.static = policy.get("storage") == "static"
         self.dummy = list(self.ref.is_dummy)
+        self.states = [self.ours.model.states(i) for i in range(len(self.ref.layers))]  # conv / recurrent states
+        self.linear = list(self.ref.is_linear)  # states only, no K/V
         # a compileable static cache (no sliding or quantized layer): StaticCache's mask sizes
         self.padded = self.static and not self.lossy and not any(self.ref.is_sliding)
         self.n = len(self.ref.layers)
@@ -123,7 +147,8 @@ class Program:
         ref, ours = self.ref, self.ours
         assert ours.is_dummy == ref.is_dummy and ours.is_sliding == ref.is_sliding, where
         assert ours.is_initialized == ref.is_initialized, f"{where}: is_initialized"
-        held = any(layer.keys is not None for layer in ref.layers)  # (DynamicCache.batch_size is always -1)
+        held = any(getattr(layer, "keys", None) is not None for layer in ref.layers) or any(
+            self.states[i] and ref.layers[i].has_previous_state[0] for i in range(self.n))  # (DynamicCache says -1)
         assert ours.batch_size == (self.batch if held else -1), f"{where}: batch_size"
         limits = [ref.get_max_length(i) for i in range(self.n)]  # static: max_length, as StaticCache
         limits = [STATIC_LENGTH if self.static and m == -1 and not d else m for m, d in zip(limits, self.dummy)]
@@ -131,9 +156,14 @@ class Program:
         for i in range(self.n):
             at = f"{where}, layer {i}"
             assert ours.get_max_length(i) == limits[i], f"{at}: get_max_length"
-            self.same(ours.layers[i].keys, ref.layers[i].keys, f"{at}: keys")
-            self.same(ours.layers[i].values, ref.layers[i].values, f"{at}: values")
-            if self.dummy[i]:
+            self.same(ours.layers[i].keys, getattr(ref.layers[i], "keys", None), f"{at}: keys")
+            self.same(ours.layers[i].values, getattr(ref.layers[i], "values", None), f"{at}: values")
+            for s in range(self.states[i]):  # exact under every policy: states are never tiered
+                assert ours.has_previous_state(i, s) == ref.has_previous_state(i, s), f"{at}: has_previous_state"
+                for get in ("get_conv_state", "get_recurrent_state"):
+                    a, b = getattr(ours, get)(i, s), getattr(ref, get)(i, s)
+                    assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{at}: {get}({s})"
+            if self.dummy[i] or self.linear[i]:
                 continue
             assert ours.get_seq_length(i) == ref.get_seq_length(i), f"{at}: get_seq_length"
             for q in (1, 3):
@@ -144,7 +174,9 @@ class Program:
     def update(self) -> None:
         t = self.rng.choice([1, 1, 1, 2, 3, 5, 0])
         for i in range(self.n):
-            if self.dummy[i]:
+            if self.states[i]:
+                self.update_states(i, t)
+            if self.dummy[i] or self.linear[i]:
                 continue
             heads, dim = self.dims[i]
             k = torch.randn(self.batch, heads, t, dim, generator=self.gen)
@@ -155,6 +187,19 @@ class Program:
                 got = tuple(x[:, :, : want[0].shape[2]] for x in got)
             self.same(got[0], want[0], f"update({t}) keys, layer {i}")
             self.same(got[1], want[1], f"update({t}) values, layer {i}")
+
+    def update_states(self, i: int, t: int) -> None:
+        """A model's conv / recurrent updates: a kernel-long (4) first one, then ``t`` tokens."""
+        for s in range(self.states[i]):
+            length = t if self.ref.has_previous_state(i, s) else 4
+            if length == 0:
+                continue
+            conv = torch.randn(self.batch, 6, length, generator=self.gen)  # [B, C, T]
+            recurrent = torch.randn(self.batch, 2, 3, 5, generator=self.gen)  # [B, H, K, V]
+            want = self.ref.update_conv_state(conv, i, s)
+            assert torch.equal(self.ours.update_conv_state(conv, i, s), want), f"update_conv_state, layer {i}"
+            want = self.ref.update_recurrent_state(recurrent, i, s)
+            assert torch.equal(self.ours.update_recurrent_state(recurrent, i, s), want), f"recurrent, layer {i}"
 
     def crop(self) -> None:
         seen = self.ref.get_seq_length(0)
@@ -251,12 +296,14 @@ class Program:
 
     def _empty_but_initialized(self) -> bool:
         return any(layer.keys is not None and layer.get_seq_length() == 0
-                   for layer, d in zip(self.ref.layers, self.dummy) if not d)
+                   for layer, d, lin in zip(self.ref.layers, self.dummy, self.linear) if not (d or lin))
 
     def reset(self) -> None:
         self.ref.reset()
         self.ours.reset()
-        self.batch = self.rng.randint(1, 3)
+        batch = self.rng.randint(1, 3)
+        if not self.hybrid:  # transformers' state layers keep their zeroed states' batch after a reset
+            self.batch = batch
 
     def record(self) -> None:
         self.ref.activate_past_recording()
@@ -282,6 +329,8 @@ class Program:
             op = self.rng.choice(OPS)
             if op in ("select", "repeat", "reorder") and self.batch == 0:
                 continue
+            if op in ("select", "repeat") and self.hybrid:
+                continue  # transformers' state layers have no batch select / repeat
             if op in ("select", "repeat", "reorder") and self._empty_but_initialized():
                 continue  # transformers leaves such layers at the old batch (and its next update fails)
             getattr(self, op)()
@@ -293,7 +342,7 @@ class Program:
 @pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
 @pytest.mark.parametrize("config,policy", [pytest.param(c, p, id=name) for name, c, p in SETUPS])
 def test_random_program_matches_dynamic_cache(config, policy, seed, tmp_path):
-    program = Program(CONFIGS[config](), _fill(policy, tmp_path), seed)
+    program = Program(CONFIGS[config](), _fill(policy, tmp_path), seed, hybrid=config in HYBRID)
     done = program.run(STEPS)
     assert {"update", "crop"} <= set(done)
     program.ours.close()

@@ -11,6 +11,7 @@ import tiercache
 from tiercache import CacheError, PolicyError, TieredCache
 from tiercache.models.spec import ModelSpec
 from tiercache.planner.api import resolve_model
+from tiercache.cache.compat import cache_arg
 
 CONFIG = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                      vocab_size=128, intermediate_size=128)
@@ -37,10 +38,10 @@ def test_quantized_cache_works_outside_no_grad():
     cache = TieredCache.from_policy("configs/int4-kivi.yaml", model.config)
     ref = DynamicCache(config=model.config)
     ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(0))
-    out, want = model(ids, past_key_values=cache), model(ids, past_key_values=ref)
+    out, want = model(ids, **cache_arg(cache)), model(ids, **cache_arg(ref))
     for _ in range(3):
         nxt = want.logits[:, -1:].argmax(-1)
-        out, want = model(nxt, past_key_values=cache), model(nxt, past_key_values=ref)
+        out, want = model(nxt, **cache_arg(cache)), model(nxt, **cache_arg(ref))
     err = float((out.logits - want.logits).detach().norm() / want.logits.detach().norm())
     assert err < 0.05, err
 
@@ -207,17 +208,17 @@ def test_a_static_overflow_is_refused_before_the_first_layer_writes(quantize):
     # Gemma 2: layer 0 slides (never full), layer 1 is static. The forward used to write the new
     # tokens into layer 0 before layer 1 refused them: after the error get_seq_length() said 18
     # while the static layer held 15, so the next forward ran at the wrong positions.
-    import builders as models
+    import builders
 
-    model = models.build("gemma2")
+    model = builders.build("gemma2")
     cache = TieredCache.from_policy({"storage": "static", "max_length": 16, "quantize": quantize}, model.config)
     with torch.no_grad():
-        model(models.prompt(1, 15), past_key_values=cache)
+        model(builders.prompt(1, 15), **cache_arg(cache))
         with pytest.raises(CacheError, match="layer 1: static storage is full: it holds 15 of max_length=16"):
-            model(models.prompt(1, 3, seed=6), past_key_values=cache)
+            model(builders.prompt(1, 3, seed=6), **cache_arg(cache))
     assert [cache.get_seq_length(i) for i in range(4)] == [15] * 4
     ref = TieredCache.from_policy({"storage": "static", "max_length": 16, "quantize": quantize}, model.config)
-    nxt = models.prompt(1, 1, seed=7)
+    nxt = builders.prompt(1, 1, seed=7)
     with torch.no_grad():
-        model(models.prompt(1, 15), past_key_values=ref)
-        assert torch.equal(model(nxt, past_key_values=cache).logits, model(nxt, past_key_values=ref).logits)
+        model(builders.prompt(1, 15), **cache_arg(ref))
+        assert torch.equal(model(nxt, **cache_arg(cache)).logits, model(nxt, **cache_arg(ref)).logits)

@@ -21,6 +21,9 @@ def test_the_runnable_pages_have_examples():
     assert len(blocks()) >= 3
 
 
+# The runnable pages' examples still pass `past_key_values=` (to be rewritten to `cache=`, issue 31):
+# until then its deprecation warning is shown here, not an error. Remove this mark with that rewrite.
+@pytest.mark.filterwarnings("default:`past_key_values` is deprecated:FutureWarning")
 @pytest.mark.parametrize("title,code", blocks(), ids=[t for t, _ in blocks()])
 def test_example_runs(title, code):
     exec(compile(code, f"docs/{title}", "exec"), {"__name__": "docs"})

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tiercache.cache.compat import cache_arg
 
 
 @dataclass
@@ -48,7 +49,7 @@ def teacher_forced(model, cache, prefilled, continuation: torch.Tensor) -> Force
         nll.append(F.cross_entropy(logits[None], x[t : t + 1]))
         top1.append(logits.argmax())
         if t + 1 < x.numel():
-            logits = model(input_ids=x[None, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(input_ids=x[None, t : t + 1], **cache_arg(cache), use_cache=True).logits[0, -1]
     _sync(model.device)
     seconds = time.perf_counter() - start
     return Forced(torch.stack(nll).cpu(), torch.stack(top1).cpu(), seconds, x.numel() - 1)
@@ -59,6 +60,6 @@ def greedy(model, cache, prefilled, steps: int) -> list[int]:
     nxt = prefilled.logits.argmax().view(1, 1)  # [1, 1]
     out = [int(nxt)]
     for _ in range(steps):
-        nxt = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        nxt = model(input_ids=nxt, **cache_arg(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         out.append(int(nxt))
     return out

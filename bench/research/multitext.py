@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from research import forced, seeded, texts
+from tiercache.cache.compat import cache_arg
 
 
 def windows(tokenizer, kind: str, count: int, length: int, split: str = "heldout") -> torch.Tensor:
@@ -56,7 +57,7 @@ def teacher_forced(model, cache, prefilled, continuation: torch.Tensor) -> force
         nll.append(F.cross_entropy(logits, x[:, t], reduction="none"))  # [N]
         top1.append(logits.argmax(-1))
         if t + 1 < x.shape[1]:
-            logits = model(input_ids=x[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=x[:, t : t + 1], **cache_arg(cache), use_cache=True).logits[:, -1]
     forced._sync(model.device)
     seconds = time.perf_counter() - start
     return forced.Forced(torch.stack(nll, 1).cpu(), torch.stack(top1, 1).cpu(), seconds, x.shape[1] - 1)

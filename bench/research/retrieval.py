@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from research.texts import decode, encode
+from tiercache.cache.compat import cache_arg
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
          "Find it and memorize it. I will quiz you about it.\n")
@@ -126,14 +127,14 @@ def samples(tokenizer, contexts, depths, seed: int = 0, fmt: str = "passkey", ch
 @torch.no_grad()
 def answer(model, cache, sample: Sample, tokenizer, max_new: int = 8) -> str:
     x = sample.question.to(model.device)[None]  # [1, Q]
-    logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1]  # [1, V]
+    logits = model(input_ids=x, **cache_arg(cache), use_cache=True).logits[:, -1]  # [1, V]
     out = []
     for step in range(max_new):
         nxt = logits.argmax(-1, keepdim=True)  # [1, 1]
         out.append(int(nxt))
         if step + 1 == max_new or _settled(decode(tokenizer, out)):
             break
-        logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=nxt, **cache_arg(cache), use_cache=True).logits[:, -1]
     return decode(tokenizer, out)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tiercache.cache.compat import cache_arg
 
 
 @dataclass
@@ -35,7 +36,7 @@ def prefill(model, ids: torch.Tensor) -> Prefilled:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ids.to(model.device)[None], past_key_values=cache, use_cache=True).logits[0, -1]
+    logits = model(input_ids=ids.to(model.device)[None], **cache_arg(cache), use_cache=True).logits[0, -1]
     kv = [(layer.keys, layer.values) for layer in cache.layers]
     return Prefilled(kv, logits)
 

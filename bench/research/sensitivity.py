@@ -64,6 +64,7 @@ import torch.nn.functional as F
 
 from research import forced, seeded
 from tiercache.bench import quality
+from tiercache.cache.compat import cache_arg
 
 
 def layer_costs(model, prefilled, continuation, quantize: dict, tick=None) -> list[float]:
@@ -98,7 +99,7 @@ def mixed(base: dict, costs: list[float], upgrade: dict | None, k: int, name: st
 def one_pass_nll(model, cache, prefilled, continuation: torch.Tensor) -> torch.Tensor:
     x = continuation.to(model.device).reshape(len(prefilled.logits) if prefilled.logits.dim() > 1 else 1, -1)
     first = prefilled.logits.reshape(x.shape[0], -1).float()  # [N, V]: predicts token 0
-    rest = model(input_ids=x[:, :-1], past_key_values=cache, use_cache=True).logits.float()  # [N, M-1, V]
+    rest = model(input_ids=x[:, :-1], **cache_arg(cache), use_cache=True).logits.float()  # [N, M-1, V]
     logits = torch.cat([first[:, None], rest], 1)  # [N, M, V]
     nll = F.cross_entropy(logits.flatten(0, 1), x.flatten(), reduction="none").view(x.shape)  # [N, M]
     return nll if continuation.dim() > 1 else nll[0]

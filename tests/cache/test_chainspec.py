@@ -130,7 +130,8 @@ def by_hand(p: LayerPolicy, shared: Shared, padded: bool):
                           owned_outputs=owned and q is None)
     if q is not None:
         layer = Quantize(layer, Codec(CodecSpec.of(q)), q.residual_length, q.sink_tokens, window=p.window,
-                         max_length=p.max_length if p.storage == "static" else None, shared=None if owned else shared)
+                         max_length=p.max_length if p.storage == "static" else None, shared=None if owned else shared,
+                         packed_attention=q.packed_attention and p.layer_type != "cross_attention")
     if p.layer_type == "cross_attention":
         layer = CrossAttention(layer, fresh_reads=q is not None)
     return layer

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from builders import build, prompt
 from tiercache import CacheError, TieredCache
+from tiercache.cache.compat import cache_arg
 
 Q = {"backend": "native", "bits": 4, "group_size": 2, "residual_length": 4}
 
@@ -86,7 +87,7 @@ def test_kv_sharing_model_assisted_and_prompt_lookup(mode):
     out = {}
     for name, cache in (("ref", DynamicCache(config=model.config)), ("ours", TieredCache.from_policy({}, model.config))):
         torch.manual_seed(0)
-        out[name] = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False, **kw)
+        out[name] = model.generate(ids, **cache_arg(cache), max_new_tokens=12, do_sample=False, **kw)
     assert torch.equal(out["ours"], out["ref"])
 
 

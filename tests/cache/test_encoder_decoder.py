@@ -13,6 +13,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 from builders import SEQ2SEQ, build, build_seq2seq, encoder_length, seq2seq_inputs
 from tiercache import CacheError, PolicyError, TieredCache
 from tiercache.models.spec import ModelSpec
+from tiercache.cache.compat import cache_arg
 
 MODES = {
     "greedy": dict(),
@@ -41,7 +42,7 @@ def reference():
 
 def gen(model, cache, inputs, **kw):
     torch.manual_seed(0)
-    return model.generate(**inputs, past_key_values=cache, max_new_tokens=10, min_new_tokens=10, **kw)
+    return model.generate(**inputs, **cache_arg(cache), max_new_tokens=10, min_new_tokens=10, **kw)
 
 
 def legacy(half) -> list:
@@ -85,7 +86,7 @@ def teacher_forced(model, cache, inputs, steps: int = 8) -> torch.Tensor:
         batch = enc.last_hidden_state.shape[0]
         tokens = torch.randint(3, 128, (batch, steps), generator=torch.Generator().manual_seed(9))
         tokens[:, 0] = model.config.decoder_start_token_id
-        out = [model(encoder_outputs=enc, decoder_input_ids=tokens[:, i : i + 1], past_key_values=cache).logits
+        out = [model(encoder_outputs=enc, decoder_input_ids=tokens[:, i : i + 1], **cache_arg(cache)).logits
                for i in range(steps)]
     return torch.cat(out, dim=1)
 
@@ -220,8 +221,8 @@ def test_deepcopy_forks_both_halves(policy):
     with torch.no_grad():
         enc = model.get_encoder()(**inputs)
         nxt, fork = torch.full((2, 1), 5), copy.deepcopy(cache)
-        a = model(encoder_outputs=enc, decoder_input_ids=nxt, past_key_values=cache).logits
-        b = model(encoder_outputs=enc, decoder_input_ids=nxt, past_key_values=fork).logits
+        a = model(encoder_outputs=enc, decoder_input_ids=nxt, **cache_arg(cache)).logits
+        b = model(encoder_outputs=enc, decoder_input_ids=nxt, **cache_arg(fork)).logits
     assert torch.equal(a, b)
 
 

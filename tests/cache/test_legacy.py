@@ -13,6 +13,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 from builders import FAMILIES, SEQ2SEQ, build, build_seq2seq, prompt, seq2seq_inputs
 from tiercache import CacheError, TieredCache
 from tiercache.models.spec import ModelSpec
+from tiercache.cache.compat import cache_arg
 
 Q4 = {"bits": 4, "group_size": 8, "residual_length": 8}
 POLICIES = {
@@ -34,7 +35,7 @@ def legacy_of(cache: DynamicCache) -> tuple:
 def prefilled(model, ids):
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        logits = model(ids, past_key_values=ref, use_cache=True).logits
+        logits = model(ids, **cache_arg(ref), use_cache=True).logits
     return ref, logits
 
 
@@ -66,8 +67,8 @@ def test_manual_loop_from_a_legacy_past_matches_dynamic_cache(family):
     with torch.no_grad():
         for _ in range(10):
             nxt = logits[:, -1:].argmax(-1)  # [B, 1]
-            logits = model(nxt, past_key_values=ref, use_cache=True).logits
-            assert torch.equal(model(nxt, past_key_values=ours, use_cache=True).logits, logits)
+            logits = model(nxt, **cache_arg(ref), use_cache=True).logits
+            assert torch.equal(model(nxt, **cache_arg(ours), use_cache=True).logits, logits)
     assert ours.get_seq_length() == ref.get_seq_length() == 21
 
 
@@ -81,9 +82,9 @@ def test_old_style_loop_converting_every_step_matches(family):
     with torch.no_grad():
         for _ in range(6):
             nxt = logits[:, -1:].argmax(-1)
-            logits = model(nxt, past_key_values=ref, use_cache=True).logits
+            logits = model(nxt, **cache_arg(ref), use_cache=True).logits
             cache = TieredCache.from_legacy(past, {}, model.config)
-            assert torch.equal(model(nxt, past_key_values=cache, use_cache=True).logits, logits)
+            assert torch.equal(model(nxt, **cache_arg(cache), use_cache=True).logits, logits)
             past = cache.to_legacy()
             assert same(past, legacy_of(ref))
 
@@ -101,11 +102,11 @@ def test_quantized_from_legacy_equals_a_cache_that_prefilled_itself(family, name
         policy["overrides"] = [{"layer_type": "sliding_attention", "quantize": None}]
     own = TieredCache.from_policy(policy, model.config)
     with torch.no_grad():
-        model(ids, past_key_values=own, use_cache=True)
+        model(ids, **cache_arg(own), use_cache=True)
         loaded = TieredCache.from_legacy(legacy_of(ref), policy, model.config)
         assert same(loaded.to_legacy(), own.to_legacy())
         nxt = prompt(2, 1, seed=5)
-        assert torch.equal(model(nxt, past_key_values=loaded).logits, model(nxt, past_key_values=own).logits)
+        assert torch.equal(model(nxt, **cache_arg(loaded)).logits, model(nxt, **cache_arg(own)).logits)
     held = loaded.to_legacy()  # dequantized: close to the past, not equal
     k, k_ref = held[1][0][:, :, :21], ref.layers[1].keys  # [B, H, 21, D] of a full-attention layer
     assert not torch.equal(k, k_ref) and (k - k_ref).norm() < 0.2 * k_ref.norm()
@@ -213,15 +214,15 @@ def test_encoder_decoder_past_round_trips_and_continues(name):
     with torch.no_grad():
         enc = model.get_encoder()(**inputs)
         tokens = torch.randint(3, 128, (2, 4), generator=torch.Generator().manual_seed(2))  # [B, 4] decoder prompt
-        logits = model(encoder_outputs=enc, decoder_input_ids=tokens, past_key_values=ref).logits
+        logits = model(encoder_outputs=enc, decoder_input_ids=tokens, **cache_arg(ref)).logits
         past = tuple((sk, sv, ck, cv) for sk, sv, _, ck, cv, _ in ref)
         ours = TieredCache.from_legacy(past, {"cross_attention": {"offload": {"device": "cpu"}}}, model.config)
         assert isinstance(ours, EncoderDecoderCache) and all(ours.is_updated.values())
         assert same(ours.to_legacy(), past)
         for _ in range(5):
             nxt = logits[:, -1:].argmax(-1)
-            logits = model(encoder_outputs=enc, decoder_input_ids=nxt, past_key_values=ref).logits
-            assert torch.equal(model(encoder_outputs=enc, decoder_input_ids=nxt, past_key_values=ours).logits, logits)
+            logits = model(encoder_outputs=enc, decoder_input_ids=nxt, **cache_arg(ref)).logits
+            assert torch.equal(model(encoder_outputs=enc, decoder_input_ids=nxt, **cache_arg(ours)).logits, logits)
     assert same(ours.to_legacy(), tuple((sk, sv, ck, cv) for sk, sv, _, ck, cv, _ in ref))
 
 
@@ -272,4 +273,10 @@ def test_the_planner_predicts_a_cache_loaded_from_a_legacy_past(family, name, mo
             cache.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), i)
         real, planned = tier_bytes(cache.nbytes(), "cpu"), plan(policy, config, 2, seen + step + 1).bytes
         assert all(real[t] <= planned[t] for t in real), (step, real, planned)
+    if family == "gemma2" and name == "int4-host-all":
+        # window 8 fits in residual 64: the sliding layers stay at full precision (Policy.resolve), so the
+        # offloaded layers differ in size and the device mirrors are planned as an upper bound
+        # (tiercache.planner.footprint.mirror_bytes); every other byte is exact
+        assert real["host"] == planned["host"] and real["device"] <= planned["device"]
+        return
     assert real == planned

@@ -7,6 +7,7 @@ from transformers import DynamicCache
 
 import tiercache
 from builders import build, prompt
+from tiercache.cache.compat import cache_arg
 from tiercache.errors import CacheError
 
 FP = {"name": "fp"}
@@ -22,7 +23,7 @@ GRID = [("llama", 5), ("llama", 1), ("mistral", 3), ("mistral", 11), ("gemma2", 
 def _run(model, ids, cache, chunk=None, new=6):
     kw = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True)
     if chunk is None:
-        return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kw)
+        return model.generate(ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), **kw)
     return tiercache.generate(model, ids, cache, prefill_chunk=chunk, **kw)
 
 
@@ -70,7 +71,7 @@ def test_padded_batch_matches_one_shot():
     mask = torch.ones_like(ids)
     mask[0, :4] = 0  # left padding on the first row
     kw = dict(max_new_tokens=5, do_sample=False)
-    ref = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), **kw)
+    ref = model.generate(ids, attention_mask=mask, **cache_arg(DynamicCache(config=model.config)), **kw)
     out = tiercache.generate(model, ids, _cache(model, FP), prefill_chunk=4, attention_mask=mask, **kw)
     assert torch.equal(out, ref)
 
@@ -79,7 +80,7 @@ def test_default_chunk_comes_from_the_plan():
     model, ids = build("llama"), prompt(1, 9)
     cache = _cache(model, FP)
     out = tiercache.generate(model, ids, cache, max_new_tokens=3, do_sample=False)
-    ref = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=DynamicCache(config=model.config),
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_arg(DynamicCache(config=model.config)),
                          max_new_tokens=3, do_sample=False)
     assert torch.equal(out, ref)
     p = tiercache.plan(cache.policy, model, 1, 12, device="cpu")

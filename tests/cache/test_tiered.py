@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from builders import FAMILIES, MORE_FAMILIES, build, prompt
 from tiercache import CacheError, TieredCache
+from tiercache.cache.compat import cache_arg
 
 FP = {"name": "fp", "storage": "full"}
 
@@ -22,7 +23,7 @@ def gen(model, cache, ids, **kw):
     torch.manual_seed(0)
     kw.setdefault("max_new_tokens", 16)
     kw.setdefault("do_sample", False)
-    return model.generate(ids, past_key_values=cache, **kw)
+    return model.generate(ids, **cache_arg(cache), **kw)
 
 
 MODES = {
@@ -70,13 +71,13 @@ def test_manual_loop_logits_are_identical(family):
     ids = prompt(2, 11)
     ref, ours = both(model)
     with torch.no_grad():
-        a = model(ids, past_key_values=ref, use_cache=True).logits
-        b = model(ids, past_key_values=ours, use_cache=True).logits
+        a = model(ids, **cache_arg(ref), use_cache=True).logits
+        b = model(ids, **cache_arg(ours), use_cache=True).logits
         assert torch.equal(a, b)
         for step in range(12):  # chunks of 1 and 3 tokens
             nxt = a[:, -1:].argmax(-1) if step % 3 else torch.cat([a[:, -1:].argmax(-1)] * 3, dim=1)
-            a = model(nxt, past_key_values=ref, use_cache=True).logits
-            b = model(nxt, past_key_values=ours, use_cache=True).logits
+            a = model(nxt, **cache_arg(ref), use_cache=True).logits
+            b = model(nxt, **cache_arg(ours), use_cache=True).logits
             assert torch.equal(a, b)
     assert ours.get_seq_length() == ref.get_seq_length()
 
@@ -97,8 +98,8 @@ def test_crop_and_select_on_the_cache():
     ref, ours = both(model)
     ids = prompt(3, 6)
     with torch.no_grad():
-        model(ids, past_key_values=ref)
-        model(ids, past_key_values=ours)
+        model(ids, **cache_arg(ref))
+        model(ids, **cache_arg(ours))
     for cache in (ref, ours):
         cache.crop(-2)
         cache.batch_select_indices(torch.tensor([0, 2]))
@@ -166,11 +167,11 @@ def test_static_policy_in_a_cache_that_is_not_compileable_matches_dynamic_cache(
     assert not ours.is_compileable
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        a = model(ids, past_key_values=ours).logits[:, -1:]
-        b = model(ids, past_key_values=ref).logits[:, -1:]
+        a = model(ids, **cache_arg(ours)).logits[:, -1:]
+        b = model(ids, **cache_arg(ref)).logits[:, -1:]
         for _ in range(6):  # one-token steps: the ones whose mask is dropped
             nxt = b.argmax(-1)
-            a, b = (model(nxt, past_key_values=c).logits for c in (ours, ref))
+            a, b = (model(nxt, **cache_arg(c)).logits for c in (ours, ref))
             assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
     assert torch.equal(gen(model, TieredCache.from_policy({"storage": "static", "max_length": 48, **extra}, model.config), ids),
                        gen(model, DynamicCache(config=model.config), ids))
@@ -209,15 +210,15 @@ def test_record_past_is_transformers_assignable_attribute(policy):
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
         for c in (cache, ref):
-            model(prompt(1, 12), past_key_values=c)
+            model(prompt(1, 12), **cache_arg(c))
             c.activate_past_recording()
             assert c.is_recording_past(0)
-            model(prompt(1, 3, seed=2), past_key_values=c)
+            model(prompt(1, 3, seed=2), **cache_arg(c))
             c.crop(-1)
             for layer in c.layers:
                 layer.record_past = False
             assert not c.is_recording_past(0)
-            model(prompt(1, 1, seed=3), past_key_values=c)
+            model(prompt(1, 1, seed=3), **cache_arg(c))
         assert [c.get_mask_sizes(1, 0) for c in (cache, ref)] == [ref.get_mask_sizes(1, 0)] * 2
         if not policy:  # a quantized sliding layer holds whole blocks around the window
             assert cache.layers[0].kv()[0].shape[2] == ref.layers[0].keys.shape[2] == 7  # trimmed to window - 1

@@ -4,6 +4,7 @@ prefill (``filled``) and next logits (``next_logits``) through a cache."""
 from __future__ import annotations
 
 import torch
+from tiercache.cache.compat import cache_arg
 
 Q = {"bits": 4, "group_size": 4, "residual_length": 6}
 POLICIES = {
@@ -52,10 +53,10 @@ def filled(model, pol, ids):
 
     cache = TieredCache.from_policy(policy(pol) if isinstance(pol, str) else pol, model.config)
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **cache_arg(cache))
     return cache
 
 
 def next_logits(model, cache, ids):
     with torch.no_grad():
-        return model(ids, past_key_values=cache).logits
+        return model(ids, **cache_arg(cache)).logits

@@ -16,6 +16,7 @@ from transformers import Gemma2Config, LlamaConfig
 import builders as models
 from lifecycle.policies import POLICIES, feed, policy
 from tiercache import TieredCache
+from tiercache.cache.compat import cache_arg
 
 CFG = dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
 
@@ -108,13 +109,13 @@ def test_generate_continues_a_deepcopy_like_the_original():
     for name in ("fp", "int4-host", "disk"):
         prompt_cache = TieredCache.from_policy(policy(name), model.config)
         with torch.no_grad():
-            model(ids, past_key_values=prompt_cache)
+            model(ids, **cache_arg(prompt_cache))
         more = torch.cat([ids, models.prompt(1, 4, seed=3)], 1)
         outs = []
         for _ in range(2):  # transformers' prefix-reuse pattern: deepcopy the prompt cache per request
             cache = copy.deepcopy(prompt_cache)
-            outs.append(model.generate(more, past_key_values=cache, max_new_tokens=5, do_sample=False))
-        ref = model.generate(more, past_key_values=prompt_cache, max_new_tokens=5, do_sample=False)
+            outs.append(model.generate(more, **cache_arg(cache), max_new_tokens=5, do_sample=False))
+        ref = model.generate(more, **cache_arg(prompt_cache), max_new_tokens=5, do_sample=False)
         assert torch.equal(outs[0], ref) and torch.equal(outs[1], ref), name
 
 

@@ -17,6 +17,7 @@ import torch
 from builders import SEQ2SEQ, build, build_seq2seq, seq2seq_inputs
 from tiercache import CacheError, TieredCache, TieredEncoderDecoderCache
 from tiercache.layers.cross import CrossAttention
+from tiercache.cache.compat import cache_arg
 
 Q4 = {"bits": 4, "group_size": 8, "residual_length": 4}
 HOST = {"device": "cpu", "prefetch": 1}
@@ -47,7 +48,7 @@ def _steps(model, cache, enc, tokens) -> torch.Tensor:
     """Logits of one-token decoder steps over ``tokens``: [B, n, V]."""
     with torch.no_grad():
         return torch.cat([model(encoder_outputs=enc, decoder_input_ids=tokens[:, i : i + 1],
-                                past_key_values=cache).logits for i in range(tokens.shape[1])], dim=1)
+                                **cache_arg(cache)).logits for i in range(tokens.shape[1])], dim=1)
 
 
 def _setup(name):

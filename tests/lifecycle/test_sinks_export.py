@@ -8,6 +8,7 @@ import torch
 import builders as models
 from lifecycle.policies import filled, next_logits, policy
 from tiercache import TieredCache
+from tiercache.cache.compat import cache_arg
 
 SINKS = {"name": "int4-sinks", "quantize": {"bits": 4, "group_size": 4, "residual_length": 6, "sink_tokens": 3}}
 
@@ -17,7 +18,7 @@ def _reference(model, ids):
 
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=ref)
+        model(ids, **cache_arg(ref))
     return ref
 
 

@@ -14,6 +14,7 @@ from tiercache.models import registry as builtin, real
 from tiercache.models.load import ModelLoadError, load_model
 from tiercache.cli import main
 from tiercache.planner.api import resolve_model
+from tiercache.cache.compat import cache_arg
 
 
 def _has_extra() -> str | None:
@@ -93,8 +94,8 @@ def test_real_model_generates_exactly_with_a_full_precision_policy():
     ids = tok.apply_chat_template([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():
-        ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=8, do_sample=False)
-        ours = model.generate(ids, past_key_values=TieredCache.from_policy({"name": "fp"}, model.config),
+        ref = model.generate(ids, **cache_arg(DynamicCache(config=model.config)), max_new_tokens=8, do_sample=False)
+        ours = model.generate(ids, **cache_arg(TieredCache.from_policy({"name": "fp"}, model.config)),
                               max_new_tokens=8, do_sample=False)
     assert torch.equal(ref, ours)
     assert tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True).strip()

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from tiercache import TieredCache
 from tiercache.models.spec import ModelSpec
+from tiercache.cache.compat import cache_arg
 
 SMALL = dict(vocab_size=128, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
@@ -57,7 +58,7 @@ def test_kv_shape_is_what_the_model_caches(name):
     config = CONFIGS[name]()
     model, cache = model_of(config), DynamicCache(config=config)
     with torch.no_grad():
-        model(ids(5), past_key_values=cache)
+        model(ids(5), **cache_arg(cache))
     spec = ModelSpec.from_config(config)
     for i, layer in enumerate(cache.layers):
         keys = getattr(layer, "keys", None)
@@ -77,9 +78,9 @@ def run(model, cache, steps: int = 6):
     """Prefill past the window, then one-token steps; the logits of every step."""
     out = []
     with torch.no_grad():
-        out.append(model(ids(20), past_key_values=cache).logits)
+        out.append(model(ids(20), **cache_arg(cache)).logits)
         for s in range(steps):
-            out.append(model(ids(1, seed=10 + s), past_key_values=cache).logits)
+            out.append(model(ids(1, seed=10 + s), **cache_arg(cache)).logits)
     return torch.cat(out, dim=1)
 
 
@@ -116,8 +117,8 @@ def test_gemma4_generates(policy):
     model.generation_config.pad_token_id = 0
     cache = TieredCache.from_policy(policy, model.config)
     with torch.no_grad():
-        out = model.generate(ids(12), past_key_values=cache, max_new_tokens=6, do_sample=False)
-        ref = model.generate(ids(12), past_key_values=DynamicCache(config=model.config), max_new_tokens=6,
+        out = model.generate(ids(12), **cache_arg(cache), max_new_tokens=6, do_sample=False)
+        ref = model.generate(ids(12), **cache_arg(DynamicCache(config=model.config)), max_new_tokens=6,
                              do_sample=False)
     assert out.shape == ref.shape
     if not policy:

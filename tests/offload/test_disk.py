@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tiercache.cache.chain import make_storage
+from tiercache.cache.compat import cache_arg
 from tiercache.errors import CacheError
 from tiercache.policy.schema import OffloadPolicy
 from tiercache.offload import disk as disk_module
@@ -70,7 +71,7 @@ def test_cache_garbage_collected(tmp_path):
 
     model = build("llama")
     cache = tiercache.TieredCache.from_policy({"offload": {"device": "disk", "path": str(tmp_path)}}, model.config)
-    model(torch.tensor([[3, 4, 5]]), past_key_values=cache)
+    model(torch.tensor([[3, 4, 5]]), **cache_arg(cache))
     assert len(files_under(tmp_path)) == 2 * model.config.num_hidden_layers
     del cache
     gc.collect()

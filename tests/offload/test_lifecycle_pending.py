@@ -1,14 +1,14 @@
-"""Lifecycle operations on layers with deferred work pending (the GPU path, driven on the CPU).
+"""Lifecycle operations on layers with deferred work pending: the CUDA path, run on the simulated
+device (``tiercache.offload.simdevice``), where a staged copy lands only when its stream is
+advanced past it and its destination holds poison until then.
 
-- ``Offload``: a CUDA write-back is staged (pinned copy + event) and joins the host layer at the
-  next use. Here ``writeback.defers`` / ``staging`` / ``write_back`` are replaced by CPU stand-ins
-  whose event is *in flight* until ``synchronize()``: the real ``settle`` and lifecycle code run. Every
-  operation that reads the host copy (state_dict, export: fork, save, retier) or replaces it
-  (load_state_dict, ingest, evict) must see / drop nothing: compared with a ``DynamicCache``.
-- ``Quantize``: a non-finite flag of an earlier update that has not been read yet (the CUDA
-  FiniteGuard) must surface before a state dict, export or adopt: a poisoned layer is never
-  saved, forked or moved silently, and the refused operation leaves the cache as it was.
-The CUDA paths themselves run in test_sync_cuda.py.
+- ``Offload``: a write-back is staged (a pinned copy on the side stream + an event) and joins the
+  host layer once landed. Every operation that reads the host copy (state_dict, export: fork,
+  save, retier) or replaces it (load_state_dict, ingest, evict) must see / drop nothing:
+  compared with a ``DynamicCache``.
+- ``Quantize``: the non-finite flag of an earlier update (copied to pinned memory on the compute
+  stream, read once landed) must surface before a state dict, export or adopt: a poisoned layer
+  is never saved, forked or moved silently, and the refused operation leaves the cache as it was.
 """
 
 from __future__ import annotations
@@ -20,40 +20,19 @@ from transformers import DynamicCache
 import tiercache
 from tiercache.errors import CacheError
 from tiercache.models.spec import ModelSpec
-from tiercache.offload import writeback
 from tiercache.offload.processor import Offload
 from tiercache.quantize.processor import Quantize
+from tests.offload.simdev import sim  # noqa: F401 (fixture)
 
 SPEC = ModelSpec("pending", 3, ("full_attention",) * 3, kv_heads=2, head_dim=8, dtype="float32")
 HOST = {"name": "host", "offload": {"device": "cpu", "prefetch": 1}}
 Q = {"bits": 4, "group_size": 4, "residual_length": 4}
 
 
-class InFlight:
-    """A CUDA event stand-in: not landed until someone waits for it."""
-
-    def __init__(self):
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
-
-
 @pytest.fixture
-def deferred(monkeypatch):
-    """Offloaded full-storage layers stage their write-backs on the CPU as they would on CUDA."""
-    monkeypatch.setattr(writeback, "defers", lambda layer, key: layer.deferred)
-    monkeypatch.setattr(writeback, "staging", lambda k, v: [torch.empty_like(k), torch.empty_like(v)])
-
-    def write_back(layer, key, value, host_k, host_v):
-        host_k.copy_(key)
-        host_v.copy_(value)
-        layer.staged.push(host_k, host_v, InFlight())
-
-    monkeypatch.setattr(writeback, "write_back", write_back)
+def deferred(sim):  # noqa: F811
+    """Offloaded full-storage layers stage their write-backs as on CUDA (the simulated device)."""
+    return sim
 
 
 def feed(caches, steps=(9, 1, 1, 1), seed=0):
@@ -168,15 +147,17 @@ def quantized(layer) -> Quantize:
 
 
 def poison(cache, index: int = 1) -> Quantize:
-    """What the CUDA FiniteGuard holds after a bad update: its flag stored, still in flight."""
+    """A non-finite update of one token to layer ``index``: accepted, its flag still in flight."""
+    nan = torch.full((1, 2, 1, 8), float("nan"))
+    cache.update(nan, nan, index)
     q = quantized(cache.layers[index])
-    q.finite.flags.append((q.seen - 1, 1, torch.tensor(True), InFlight()))
+    assert q.finite.pending() > 0
     return q
 
 
 @pytest.mark.parametrize("policy", [{"name": "int4", "quantize": Q},
                                     {"name": "int4-host", "quantize": Q, "offload": {"device": "cpu"}}])
-def test_a_poisoned_layer_is_not_forked_saved_or_retiered(policy, tmp_path):
+def test_a_poisoned_layer_is_not_forked_saved_or_retiered(sim, policy, tmp_path):  # noqa: F811
     cache, ref = tiercache.TieredCache.from_policy(policy, SPEC), DynamicCache()
     feed([cache, ref])
     before = [tuple(t.clone() for t in layer.kv()) for layer in cache.layers]
@@ -203,15 +184,15 @@ def test_a_poisoned_layer_is_not_forked_saved_or_retiered(policy, tmp_path):
     # layer 0 had moved when layer 1 refused: retier's roll-back re-quantizes its dequantized
     # values into the same blocks (lifecycle/retier.py), equal up to float rounding
     as_before(1e-5)
-    cache.crop(-1)  # dropping the bad update (the last token) makes it usable (and savable) again
+    cache.layers[1].crop(1)  # dropping the bad update (its last token) makes it usable (and savable) again
     cache.save(tmp_path / "c.safetensors")
     back = tiercache.TieredCache.load(tmp_path / "c.safetensors", SPEC)
-    assert back.get_seq_length() == 11
+    assert back.get_seq_length() == 12
     back.close()
     cache.close()
 
 
-def test_adopt_refuses_a_poisoned_source_and_changes_nothing():
+def test_adopt_refuses_a_poisoned_source_and_changes_nothing(sim):  # noqa: F811
     cache = tiercache.TieredCache.from_policy({"name": "int4", "quantize": Q}, SPEC)
     feed([cache])
     src = poison(cache, 0)
@@ -227,11 +208,11 @@ def test_adopt_refuses_a_poisoned_source_and_changes_nothing():
     dst.close()
 
 
-def test_a_clean_flag_in_flight_is_waited_for_and_saved(tmp_path):
+def test_a_clean_flag_in_flight_is_waited_for_and_saved(sim):  # noqa: F811
     cache, ref = tiercache.TieredCache.from_policy({"name": "int4", "quantize": Q}, SPEC), DynamicCache()
     feed([cache, ref])
     q = quantized(cache.layers[2])
-    q.finite.flags.append((q.seen - 1, 1, torch.tensor(False), InFlight()))
+    assert q.finite.pending() > 0  # clean flags, not landed yet
     twin = cache.fork()
     assert q.finite.pending() == 0
     assert all(torch.equal(a, b) for a, b in zip(twin.layers[2].kv(), cache.layers[2].kv()))
@@ -239,14 +220,26 @@ def test_a_clean_flag_in_flight_is_waited_for_and_saved(tmp_path):
     cache.close()
 
 
+def feed_bad(caches, bad: int, steps: int = 12):
+    """One token per step; layer 1's token at position ``bad`` is NaN (its flag stays in flight)."""
+    g = torch.Generator().manual_seed(3)
+    for pos in range(steps):
+        for i in range(SPEC.num_layers):
+            k, v = torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g)
+            if i == 1 and pos == bad:
+                k = torch.full_like(k, float("nan"))
+            for c in caches:
+                c.update(k, v, i)
+
+
 @pytest.mark.parametrize("drop", [1, 8, 11, 12])  # the residual, into the blocks, all after the sinks, the sinks too
-def test_every_crop_path_clears_a_flag_it_drops(drop):
+def test_every_crop_path_clears_a_flag_it_drops(sim, drop):  # noqa: F811
     """With attention sinks a crop takes one of several paths; each forgets the flags it drops."""
     policy = {"name": "int4-sinks", "quantize": {**Q, "sink_tokens": 1}}
     cache, ref = tiercache.TieredCache.from_policy(policy, SPEC), DynamicCache()
-    feed([cache, ref])
-    q = poison(cache)
-    q.finite.flags[-1] = (12 - drop, 1, torch.tensor(True), InFlight())  # the bad update: the first dropped token
+    feed_bad([cache, ref], bad=12 - drop)  # the bad update: the first dropped token
+    q = quantized(cache.layers[1])
+    assert q.finite.pending() > 0
     cache.crop(-drop)
     ref.crop(-drop)
     q.finite.settle()  # nothing left to raise
@@ -257,11 +250,9 @@ def test_every_crop_path_clears_a_flag_it_drops(drop):
     cache.close()
 
 
-def test_a_kept_flag_still_refuses_after_a_crop():
+def test_a_kept_flag_still_refuses_after_a_crop(sim):  # noqa: F811
     cache = tiercache.TieredCache.from_policy({"name": "int4", "quantize": Q}, SPEC)
-    feed([cache])
-    q = poison(cache)
-    q.finite.flags[-1] = (5, 1, torch.tensor(True), InFlight())  # an update at position 5 stays
+    feed_bad([cache], bad=5)  # an update at position 5 stays
     cache.crop(-2)
     with pytest.raises(CacheError, match="positions 5..5"):
         cache.fork()

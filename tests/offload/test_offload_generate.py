@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 
 import tiercache  # noqa: E402
 from tests.builders import build, prompt  # noqa: E402
+from tiercache.cache.compat import cache_arg
 
 FAMILIES = ["llama", "mistral", "gemma2", "qwen2"]
 RESIDENT = {"name": "resident"}
@@ -41,7 +42,7 @@ def generate(name: str, policy: dict, mode: str, tmp_path=None):
     cache = tiercache.TieredCache.from_policy(policy, m.config)
     ids = prompt(spec["batch"], 12)
     with torch.no_grad():
-        out = m.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kwargs)
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), **cache_arg(cache), **kwargs)
     return out, cache
 
 

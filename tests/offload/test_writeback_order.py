@@ -1,14 +1,15 @@
 """Offload write-backs: failures that surface late, the layer's batch while a write-back is staged,
-and the order of the host copy's changes against the layer's own fetch (the GPU path, driven on
-the CPU with the stand-ins of ``test_lifecycle_pending``: a staged write-back is *in flight*
-until someone waits for it).
+and the order of the host copy's changes against the layer's own fetch (the GPU path, run on the
+simulated device as in ``test_lifecycle_pending``: a staged write-back is *in flight* until its
+stream is advanced).
 
 - A staged write-back that the host layer cannot take (disk full, a pinned buffer that cannot
-  grow) may surface while *another* layer fetches this one ahead, where the fetch is optional
+  grow) surfaces when it lands and joins the host layer, maybe while *another* layer fetches this
+  one ahead, where the fetch is optional
   and its error is dropped: the layer must still refuse every later use (``CacheError``, "reset
   the cache"), never go on silently without those tokens; ``reset`` makes it usable again.
 - A layer whose only update is staged knows its batch (as it knows it is initialized).
-- Non-deferred write-backs (sliding, static, disk host layers) change the host copy in place
+- Non-deferred write-backs (sliding and disk host layers) change the host copy in place
   (a sliding window slides down): the one host sync of such an update must come after the
   layer's mirror was acquired (on CUDA the compute stream has then waited for its fetch), so the
   host copy never changes under a fetch still reading it.
@@ -26,6 +27,7 @@ from tiercache.models.spec import ModelSpec
 from tiercache.offload import writeback
 from tiercache.offload.prefetch import Prefetcher
 from tests.offload.test_offload import Pair, build, tokens
+from tests.offload.simdev import sim  # noqa: F401 (fixture)
 from tests.offload.test_lifecycle_pending import HOST, SPEC, deferred, feed  # noqa: F401 (fixture)
 
 FAILURES = {"cache-error": lambda: CacheError("disk full"), "out-of-memory": lambda: torch.OutOfMemoryError("pinned")}
@@ -42,6 +44,7 @@ def test_a_failed_write_back_dropped_by_a_fetch_ahead_still_refuses_the_layer(de
         raise FAILURES[failure]()
 
     layer.inner.append = refuse  # the host layer cannot take it
+    deferred.synchronize()  # it lands: the next use of the layer (a fetch ahead) joins it
     k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
     try:  # layer 0's update fetches layer 1 ahead: its write-back surfaces there
         cache.update(k, v, 0)
@@ -72,9 +75,9 @@ def test_a_staged_first_update_knows_its_batch(deferred):  # noqa: F811
     cache.close()
 
 
-@pytest.mark.parametrize("storage", ["sliding", "static"])
-def test_a_synchronous_write_back_waits_after_the_layer_fetch(storage, monkeypatch, tmp_path):
-    off, ref, _ = build(storage, "cpu", 1, tmp_path)
+@pytest.mark.parametrize("storage,device", [("sliding", "cpu"), ("static", "disk")])
+def test_a_synchronous_write_back_waits_after_the_layer_fetch(storage, device, monkeypatch, tmp_path):
+    off, ref, _ = build(storage, device, 1, tmp_path)
     order: list[str] = []
     acquire, to_host = Prefetcher.acquire, writeback.to_host
 

@@ -17,6 +17,7 @@ from transformers import DeepseekV3Config, FalconConfig, Gemma2Config, Gemma4Tex
 import tiercache
 from tiercache.models.spec import ModelSpec
 from tiercache.planner.api import plan
+from tiercache.cache.compat import cache_arg
 
 # the policies (serve store budgets live in configs/serve/, tested in tests/serve/test_config.py)
 CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
@@ -193,17 +194,17 @@ def test_the_plan_matches_a_cache_after_retier_load_or_fork(name, how, monkeypat
 def test_offloaded_sliding_layers_planned_after_a_long_prompt(family, prompt, steps):
     """Offloaded sliding layers given a prompt longer than their window's mirror: the device
     mirrors stay at what the plan counts (a long update is answered in fresh tensors)."""
-    import builders as models
+    import builders
 
-    model = models.build(family)
+    model = builders.build(family)
     pol = {"name": "offload-sliding", "offload": {"device": "cpu"},
            "overrides": [{"layer_type": "sliding_attention", "offload": {"device": "cpu"}}]}
     cache = tiercache.TieredCache.from_policy(pol, model.config)
     ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **cache_arg(cache))
         for i in range(steps):
-            model(ids[:, i % prompt : i % prompt + 1], past_key_values=cache)
+            model(ids[:, i % prompt : i % prompt + 1], **cache_arg(cache))
     p = plan(pol, model.config, batch_size=1, context_length=cache.get_seq_length(), device="cpu")
     assert all(layer.policy.offload is not None for layer in cache.layers)
     held = sum(cache.shared_nbytes().values())

@@ -13,6 +13,7 @@ from builders import SEQ2SEQ, build_seq2seq, seq2seq_inputs
 from tiercache import PolicyError, TieredCache
 from tiercache.planner.api import plan, tier_bytes
 from tiercache.layers.tiers import HostTier
+from tiercache.cache.compat import cache_arg
 
 Q4 = {"bits": 4, "group_size": 8, "residual_length": 8}
 POLICIES = {
@@ -46,7 +47,7 @@ def test_plan_equals_the_generated_cache(name, policy, monkeypatch):
     inputs = seq2seq_inputs(name, batch=2, length=LENGTHS[name])
     cache = TieredCache.for_encoder_decoder(POLICIES[policy], model.config)
     with torch.no_grad():
-        model.generate(**inputs, past_key_values=cache, max_new_tokens=40, min_new_tokens=40, num_beams=2)
+        model.generate(**inputs, **cache_arg(cache), max_new_tokens=40, min_new_tokens=40, num_beams=2)
     decoded, encoded = cache.get_seq_length(), cache.cross_attention_cache.get_seq_length()
     batch = cache.self_attention_cache.batch_size
     assert (batch, decoded) == (4, 40)  # 2 inputs x 2 beams; the start token and 39 fed back

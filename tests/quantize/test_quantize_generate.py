@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from builders import FAMILIES, MORE_FAMILIES, build, prompt
 from tiercache import TieredCache
 from tiercache.quantize.processor import Quantize
+from tiercache.cache.compat import cache_arg
 
 
 def policy(bits=4, fmt="int", backend="native", **extra):
@@ -30,7 +31,7 @@ def gen(model, cache, ids, **kw):
     torch.manual_seed(0)
     kw.setdefault("max_new_tokens", 16)
     kw.setdefault("do_sample", False)
-    return model.generate(ids, past_key_values=cache, **kw)
+    return model.generate(ids, **cache_arg(cache), **kw)
 
 
 def logits_error(model, ours, ids, steps: int = 6) -> float:
@@ -38,12 +39,12 @@ def logits_error(model, ours, ids, steps: int = 6) -> float:
     ``steps`` greedy steps (both fed full precision's tokens)."""
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        a = model(ids, past_key_values=ref, use_cache=True).logits
-        b = model(ids, past_key_values=ours, use_cache=True).logits
+        a = model(ids, **cache_arg(ref), use_cache=True).logits
+        b = model(ids, **cache_arg(ours), use_cache=True).logits
         for _ in range(steps):
             nxt = a[:, -1:].argmax(-1)
-            a = model(nxt, past_key_values=ref, use_cache=True).logits
-            b = model(nxt, past_key_values=ours, use_cache=True).logits
+            a = model(nxt, **cache_arg(ref), use_cache=True).logits
+            b = model(nxt, **cache_arg(ours), use_cache=True).logits
     return ((a - b).norm() / a.norm()).item()
 
 

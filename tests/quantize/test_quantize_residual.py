@@ -22,8 +22,9 @@ def kv(t, seed, dtype=torch.float32):
     return torch.randn(B, H, t, D, generator=g).to(dtype), torch.randn(B, H, t, D, generator=g).to(dtype)
 
 
-def layer(r, g, shared=None, **kind):
-    return quantized(QuantizePolicy(bits=4, group_size=g, residual_length=r), shared, **kind)
+def layer(r, g, shared=None, packed_attention=True, **kind):
+    return quantized(QuantizePolicy(bits=4, group_size=g, residual_length=r, packed_attention=packed_attention),
+                     shared, **kind)
 
 
 def held_by_single_steps(r, g, n):
@@ -123,11 +124,15 @@ def test_layers_of_one_cache_share_one_workspace_and_steps_allocate_none():
 
 def test_sliding_prefill_longer_than_window_does_not_grow_the_workspace():
     shared = Shared()
-    q = layer(4, 4, shared, window=6)
+    q = layer(4, 4, shared, window=6, packed_attention=False)  # decode steps dequantize into the workspace
     k, _ = q.update(*kv(50, 0))
     assert k.shape[2] == 50 and shared.workspace_nbytes() == {}
     k, _ = q.update(*kv(1, 1))
     assert k.shape[2] == 6 and shared.workspace_nbytes() == {"cpu": 2 * B * H * 256 * D * 4}
+    packed = layer(4, 4, Shared(), window=6)  # packed attention: the same workspace is held (the fallback's)
+    packed.update(*kv(50, 0))
+    k, _ = packed.update(*kv(1, 1))
+    assert k.shape[2] == 6 and packed.shared.workspace_nbytes() == {"cpu": 2 * B * H * 256 * D * 4}
 
 
 def test_cache_returns_workspace_views_and_reports_them_once():

@@ -14,6 +14,7 @@ from research import forced, realbench, retrieval, seeded, sensitivity, texts
 from tiercache.bench import quality
 from tiercache.models.tiny import ByteTokenizer, tiny_random
 from tiercache.models.load import load_model
+from tiercache.cache.compat import cache_arg
 
 POLICY = {"name": "int2-sinks-clip", "quantize": {"bits": 2, "group_size": 16, "residual_length": 32,
                                                    "sink_tokens": 4, "clip": "mse"}}
@@ -33,7 +34,7 @@ def test_seeding_equals_prefilling_through_the_cache(kind):
     seeded_cache = seeded.seed(MAKERS[kind](model.config), pre)
     own = MAKERS[kind](model.config)
     with torch.no_grad():
-        logits = model(input_ids=ids[None, :120], past_key_values=own, use_cache=True).logits[0, -1]
+        logits = model(input_ids=ids[None, :120], **cache_arg(own), use_cache=True).logits[0, -1]
     assert torch.equal(logits, pre.logits)
     a = forced.teacher_forced(model, seeded_cache, pre, ids[120:])
     b = forced.teacher_forced(model, own, pre, ids[120:])

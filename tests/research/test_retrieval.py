@@ -15,6 +15,7 @@ from research import retrieval, retrievalbench
 from tiercache.bench import setups
 from tiercache.models.tiny import ByteTokenizer
 from tiercache.models.load import load_model
+from tiercache.cache.compat import cache_arg
 
 FORMATS = sorted(retrieval.FORMATS)
 
@@ -108,7 +109,7 @@ def test_run_answers_as_prefilling_context_and_question_through_one_cache():
         assert rec["key"] == s.key and rec["context"] == 400 and set(rec["found"]) == {"DynamicCache", *names}
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(input_ids=s.context[None], past_key_values=cache, use_cache=True)
+            model(input_ids=s.context[None], **cache_arg(cache), use_cache=True)
         assert rec["answers"]["DynamicCache"] == retrieval.answer(model, cache, s, tok)
         assert all(rec["found"][n] == retrieval.found(rec["answers"][n], s.key) for n in rec["found"])
     seen.clear()

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from tiercache import PolicyError, TieredCache
 from tiercache.models.load import load_model
+from tiercache.cache.compat import cache_arg
 from tiercache.serve.config import load_store_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "serve" / "store.yaml"
@@ -22,8 +23,8 @@ def test_the_example_ladder_moves_a_cache_down_and_back():
     ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(0))
     cache, ref = TieredCache.from_policy({"name": "full"}, model.config), DynamicCache()
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache)
-        model(input_ids=ids, past_key_values=ref)
+        model(input_ids=ids, **cache_arg(cache))
+        model(input_ids=ids, **cache_arg(ref))
     full = cache.tier_nbytes()["device"]
     held = []
     for rung in cfg.ladder:

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from tiercache.cache.compat import cache_arg
 from tiercache.cache.tiered import TieredCache
 from tiercache.models.load import load_model
 from tiercache.policy.schema import load_policy
@@ -35,7 +36,7 @@ def ids_of(seed, n):
 def filled(model, ids, policy=FULL):
     cache = TieredCache.from_policy(policy, model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([ids]), past_key_values=cache)
+        model(input_ids=torch.tensor([ids]), **cache_arg(cache))
     return cache
 
 

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from tiercache.models.load import load_model
 from tiercache.policy.schema import load_policy
+from tiercache.cache.compat import cache_arg
 from tiercache.serve.chat import Codec
 from tiercache.serve.errors import APIError
 from tiercache.serve.protocol import parse_completion
@@ -42,7 +43,7 @@ def ids_of(seed, n):
 
 def reference(model, ids, n) -> list[int]:
     """Greedy tokens up to ``n``, ending at (and including) the end-of-sequence token."""
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, past_key_values=DynamicCache(),
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, **cache_arg(DynamicCache()),
                          pad_token_id=258, eos_token_id=257)[0, len(ids):].tolist()
     return out[: out.index(257) + 1] if 257 in out else out
 
@@ -80,7 +81,7 @@ def assert_kv_matches(model, ids, cache):
     """The entry's K/V are those of its token ids (a fresh prefill, full precision)."""
     ref = DynamicCache()
     with torch.no_grad():
-        model(input_ids=torch.tensor([list(ids)]), past_key_values=ref)
+        model(input_ids=torch.tensor([list(ids)]), **cache_arg(ref))
     for i, layer in enumerate(cache.layers):
         k, v = layer.kv()
         assert k.shape == ref.layers[i].keys.shape
@@ -457,7 +458,7 @@ def test_stored_entries_hold_no_transient_buffers(tiny, policy):
     ids = ids_of(53, 100)
     cache = TieredCache.from_policy(policy, model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([ids]), past_key_values=cache)
+        model(input_ids=torch.tensor([ids]), **cache_arg(cache))
     assert cache.shared_nbytes()  # serving it allocated its transient buffers
     held = {t: n for t, n in cache.tier_nbytes().items()}
     layers_only = sum(layer.tier_nbytes().get("device", 0) for layer in cache.layers)
@@ -468,10 +469,10 @@ def test_stored_entries_hold_no_transient_buffers(tiny, policy):
     # taken out again, it continues exactly as a cache that never let them go
     twin = TieredCache.from_policy(policy, model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([ids]), past_key_values=twin)
+        model(input_ids=torch.tensor([ids]), **cache_arg(twin))
     back, n = store.checkout(ids + [5, 6])
     assert back is cache and n == 100
     with torch.no_grad():
-        a = model(input_ids=torch.tensor([[5, 6]]), past_key_values=back).logits
-        b = model(input_ids=torch.tensor([[5, 6]]), past_key_values=twin).logits
+        a = model(input_ids=torch.tensor([[5, 6]]), **cache_arg(back)).logits
+        b = model(input_ids=torch.tensor([[5, 6]]), **cache_arg(twin)).logits
     torch.testing.assert_close(a, b, atol=0, rtol=0)

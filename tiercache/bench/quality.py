@@ -20,6 +20,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from tiercache.cache.compat import cache_arg
 
 
 @torch.no_grad()
@@ -33,14 +34,14 @@ def reference(model, ids: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, 
 @torch.no_grad()
 def decode_nll(model, cache, ids: torch.Tensor, prompt_len: int, tick=None) -> tuple[torch.Tensor, torch.Tensor]:
     x = ids.to(model.device)  # [T]
-    logits = model(input_ids=x[None, :prompt_len], past_key_values=cache, use_cache=True).logits[0, -1]  # [V]
+    logits = model(input_ids=x[None, :prompt_len], **cache_arg(cache), use_cache=True).logits[0, -1]  # [V]
     nll, top1 = [], []
     for t in range(prompt_len, x.numel()):
         logits = logits.float()
         nll.append(F.cross_entropy(logits[None], x[t : t + 1]))
         top1.append(logits.argmax())
         if t + 1 < x.numel():
-            logits = model(input_ids=x[None, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(input_ids=x[None, t : t + 1], **cache_arg(cache), use_cache=True).logits[0, -1]
             if tick:
                 tick(1)
     return torch.stack(nll).cpu(), torch.stack(top1).cpu()  # [M], [M]

@@ -32,6 +32,7 @@ import torch
 
 from tiercache.bench import quality
 from tiercache.bench.setups import Setup, cache_nbytes, cache_tensors
+from tiercache.cache.compat import cache_arg
 
 WARMUP_PROMPT, WARMUP_STEPS = 256, 4
 PREFILL_CHUNK = 512  # the memory pass prefills in chunks: activations of one chunk, not of the prompt
@@ -49,13 +50,13 @@ def greedy(model, cache, prompt: torch.Tensor, steps: int, tick=None) -> tuple[l
     x = prompt.to(model.device)[None]  # [1, T]
     _sync(model.device)
     t0 = time.perf_counter()
-    logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1]  # [1, V]
+    logits = model(input_ids=x, **cache_arg(cache), use_cache=True).logits[:, -1]  # [1, V]
     nxt = logits.argmax(-1, keepdim=True)  # [1, 1]
     _sync(model.device)
     t1 = time.perf_counter()
     tokens = [nxt]
     for _ in range(steps):
-        logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]  # [1, V]
+        logits = model(input_ids=nxt, **cache_arg(cache), use_cache=True).logits[:, -1]  # [1, V]
         nxt = logits.argmax(-1, keepdim=True)  # [1, 1]
         tokens.append(nxt)
         if tick:
@@ -115,13 +116,13 @@ def _footprint(setup: Setup, model, prompt: torch.Tensor, steps: int) -> dict:
     cache = setup.make()
     x = prompt.to(model.device)[None]  # [1, T]
     for s in range(0, x.shape[1], PREFILL_CHUNK):
-        logits = model(input_ids=x[:, s : s + PREFILL_CHUNK], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=x[:, s : s + PREFILL_CHUNK], **cache_arg(cache), use_cache=True).logits[:, -1]
     _sync(model.device)
     held = sum(cache_nbytes(cache).values())
     nxt = logits.argmax(-1, keepdim=True)  # [1, 1]
     with AllocationMeter(watch=cache_tensors(cache)) as meter:  # a buffer the cache replaces counts as freed
         for _ in range(steps):
-            nxt = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            nxt = model(input_ids=nxt, **cache_arg(cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         _sync(model.device)
     _close(cache)
     return {"held_before_decode": held, "peak": held + meter.peak}

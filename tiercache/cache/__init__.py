@@ -4,7 +4,8 @@ Modules: ``tiered`` (``TieredCache``, the ``transformers.Cache`` subclass), ``ch
 builder, the only constructor of a layer's processors), ``chainspec`` (a layer policy's chain,
 torch-only, shared with the planner), ``cross_attention`` (encoder-decoder pairs), ``legacy``
 (tuple caches in and out), ``placeholders`` (KV-sharing layers), ``prefill`` (chunked prefill and
-``tiercache.generate``).
+``tiercache.generate``), ``compat`` (the keyword a cache is passed under), ``state_layer`` /
+``hybrid_states`` / ``layer_roles`` (hybrid and recurrent models' conv / recurrent states).
 
 ``TieredCache``, ``TieredEncoderDecoderCache`` and ``generate`` are imported lazily, so that
 ``tiercache.cache.chainspec`` loads without transformers.

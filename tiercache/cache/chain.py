@@ -14,6 +14,10 @@ The chain's shape comes from its ``ChainSpec`` (``tiercache.cache.chainspec``, d
                                                                by the spec (rows, not tokens),
                                                                offloaded when asked
 
+Hybrid and recurrent models: a layer that keeps a conv / recurrent state (``lp.states``) or
+no attention K/V at all (``not lp.attends``) is a ``StateLayer`` (``tiercache.cache.state_layer``):
+transformers' own state, exact, around the layer's attention chain when it has one.
+
 Cross-attention layers (``layer_type == "cross_attention"``, encoder-decoder models) get
 ``CrossAttention(...)`` around the chain: transformers reads them back through ``.keys`` /
 ``.values``.
@@ -74,7 +78,7 @@ class Shared:
 
     def __init__(self):
         self._prefetcher = None
-        self._workspaces: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._workspaces: dict[tuple, torch.Tensor] = {}  # (dtype, device, stream device) -> buffer
 
     @property
     def prefetcher(self):
@@ -86,12 +90,15 @@ class Shared:
 
     def workspace(self, shapes, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         need = [math.prod(s) for s in shapes]
-        buf = self._workspaces.get((dtype, device))
+        from tiercache.offload import runtime  # one per device: the runtime tells devices apart (simulated ones too)
+
+        key = (dtype, *runtime.device_key(device))
+        buf = self._workspaces.get(key)
         if buf is None or buf.numel() < sum(need):  # rounded up, so this is rare: only then the chunks
             capacity = sum(math.prod(s[:-2]) * capacity_for(s[-2]) * s[-1] for s in shapes)
             if buf is None or buf.numel() < capacity:
-                buf = self._workspaces[(dtype, device)] = None  # the old one is freed before the new is made
-                buf = self._workspaces[(dtype, device)] = torch.empty(capacity, dtype=dtype, device=device)
+                buf = self._workspaces[key] = None  # the old one is freed before the new is made
+                buf = self._workspaces[key] = torch.empty(capacity, dtype=dtype, device=device)
         out, at = [], 0
         for shape, n in zip(shapes, need):
             out.append(buf.narrow(0, at, n).view(shape))
@@ -108,7 +115,7 @@ class Shared:
         from tiercache.layers.tiers import place_of
 
         out: dict[str, int] = {}
-        for (_, device), buf in self._workspaces.items():
+        for (_, device, _), buf in self._workspaces.items():
             out[place_of(device)] = out.get(place_of(device), 0) + buf.numel() * buf.element_size()
         return out
 
@@ -127,7 +134,7 @@ class Shared:
 
 def compileable(lp: LayerPolicy) -> bool:
     """The layer is plain resident static storage (a cache of only those is compileable)."""
-    return lp.storage == "static" and lp.window is None and lp.quantize is None and lp.offload is None
+    return lp.attends and not lp.states and lp.storage == "static" and lp.window is None and lp.quantize is None and lp.offload is None
 
 
 def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
@@ -153,7 +160,8 @@ def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
 
         q = spec.quantize
         layer = Quantize(layer, Codec(q.codec), q.residual_length, q.sink_tokens, window=q.window,
-                         max_length=q.max_length, shared=None if spec.owned_outputs else shared)
+                         max_length=q.max_length, shared=None if spec.owned_outputs else shared,
+                         packed_attention=q.packed_attention and not spec.cross)
     if spec.cross:  # read back every step through .keys / .values
         from tiercache.layers.cross import CrossAttention
 
@@ -163,8 +171,15 @@ def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
 
 
 def build_layer(lp: LayerPolicy, shared: Shared, padded: bool = False) -> KVLayer:
-    """``build(spec_for(lp, padded), shared)``."""
-    return build(spec_for(lp, padded), shared)
+    """``build(spec_for(lp, padded), shared)``; a ``StateLayer`` around it (or alone) for a layer with a
+    conv / recurrent state or no attention (hybrid and recurrent models)."""
+    if lp.attends and not lp.states:
+        return build(spec_for(lp, padded), shared)
+    from tiercache.cache.state_layer import StateLayer
+
+    layer = StateLayer(lp.states, build(spec_for(lp, padded), shared) if lp.attends else None)
+    layer.policy = lp
+    return layer
 
 
 def build_layers(layer_policies: list[LayerPolicy]) -> tuple[list[KVLayer], Shared]:

@@ -61,6 +61,7 @@ class QuantizeSpec:
     sink_tokens: int  # as configured
     window: int | None  # tokens
     max_length: int | None  # tokens
+    packed_attention: bool = True  # decode steps attend over the codes (quantize/packed_kv.py)
 
     @property
     def sinks(self) -> int:
@@ -94,6 +95,7 @@ def spec_for(lp: LayerPolicy, padded: bool = False) -> ChainSpec:
             store = StoreSpec("static", None, static_rows(max_length, g), STORE_CHUNK, padded)
         else:
             store = StoreSpec("full", None, None, STORE_CHUNK, padded)
-        quantize = QuantizeSpec(CodecSpec.of(q), q.residual_length, q.sink_tokens, window, max_length)
+        quantize = QuantizeSpec(CodecSpec.of(q), q.residual_length, q.sink_tokens, window, max_length,
+                                q.packed_attention)
     return ChainSpec(lp, lp.index, store, quantize, lp.offload, lp.kv_sharing == "store",
                      lp.layer_type == "cross_attention")

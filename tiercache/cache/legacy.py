@@ -53,6 +53,7 @@ from tiercache.policy.schema import Policy
 
 
 def build(cls, past, policy: Policy, model: ModelSpec, seq_length: int | None = None):
+    _check_no_states([model.states(i) for i in range(model.num_layers)], "from_legacy")
     if model.cross_attention:  # -> the EncoderDecoderCache of for_encoder_decoder, both halves filled
         halves = split(past, model)
         sizes = [check_past(halves[0], model, policy, seq_length)]
@@ -142,7 +143,15 @@ def _load(cache, i: int, key: torch.Tensor, value: torch.Tensor, seen: int) -> N
         raise CacheError(f"layer {i}: {e}") from e
 
 
+def _check_no_states(counts, what: str) -> None:
+    if any(counts):
+        raise CacheError(f"{what}: this model's layers {[i for i, n in enumerate(counts) if n]} keep conv / recurrent "
+                         "states (a hybrid or recurrent model), which legacy (key, value) tuples cannot carry; use "
+                         "save / load or fork instead")
+
+
 def export(layers) -> tuple:
+    _check_no_states([getattr(layer, "states", 0) for layer in layers], "to_legacy")
     held = []
     for layer in layers:
         kv = layer.export()  # [B, H, S, D] views of storage for some layers: a legacy tuple is a copy

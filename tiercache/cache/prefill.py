@@ -12,7 +12,7 @@ they grow with ``C`` (the attention over the whole history is still needed: see
 ``tiercache.planner.activations``), and the planner says which ``C`` fits (``Plan.prefill_chunk``).
 
 How: all prompt tokens but the last are run through ``model(input_ids=chunk,
-past_key_values=cache, attention_mask=mask[:, :end], position_ids=..., logits_to_keep=1)``
+cache=cache, attention_mask=mask[:, :end], position_ids=..., logits_to_keep=1)``
 under ``torch.no_grad()``; positions follow ``generate``'s rule (``cumsum(mask) - 1``, padding at
 0; without a mask ``arange``). Then ``model.generate`` gets the whole prompt and its mask with the
 cache already holding all but the last token: as transformers does when continuing from a
@@ -37,13 +37,15 @@ import inspect
 
 import torch
 
+from tiercache.cache.compat import cache_arg
 from tiercache.errors import CacheError
 
 
 def generate(model, input_ids: torch.Tensor, cache, prefill_chunk: int | None = None, attention_mask=None,
              **generate_kwargs):
     """Prefill ``input_ids`` in chunks of ``prefill_chunk`` tokens (default: the plan's, for the
-    cache's policy, else 2048), then ``model.generate(..., past_key_values=cache)``."""
+    cache's policy, else 2048), then ``model.generate(..., cache=cache)``
+    (the keyword of ``tiercache.cache.compat``: ``past_key_values`` on older transformers)."""
     _check_ids(input_ids, attention_mask)
     if prefill_chunk is None:
         prefill_chunk = default_chunk(model, input_ids, cache, generate_kwargs.get("max_new_tokens") or 0)
@@ -51,7 +53,7 @@ def generate(model, input_ids: torch.Tensor, cache, prefill_chunk: int | None = 
             None if attention_mask is None else attention_mask[:, :-1])
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    return model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
+    return model.generate(input_ids, attention_mask=attention_mask, **cache_arg(cache), **generate_kwargs)
 
 
 @torch.no_grad()
@@ -73,7 +75,7 @@ def prefill(model, input_ids: torch.Tensor, cache, chunk: int, attention_mask=No
         mask = attention_mask[:, :end] if attention_mask is not None else torch.ones(
             input_ids.shape[0], end, dtype=torch.long, device=input_ids.device)
         model(input_ids=input_ids[:, start:end], attention_mask=mask, position_ids=positions[:, start:end],
-              past_key_values=cache, use_cache=True, **keep)
+              **cache_arg(cache), use_cache=True, **keep)
 
 
 def default_chunk(model, input_ids: torch.Tensor, cache, new_tokens: int = 0) -> int:

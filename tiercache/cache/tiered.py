@@ -1,7 +1,8 @@
 """TieredCache: one processor chain per model layer, behind transformers' ``Cache`` interface.
 
     cache = TieredCache.from_policy("configs/default.yaml", model.config)
-    model.generate(**inputs, past_key_values=cache)      # or model(..., past_key_values=cache)
+    model.generate(**inputs, cache=cache)                # or model(..., cache=cache); past_key_values= on
+                                                          # older transformers (tiercache.cache.compat.CACHE_KW)
     cache.update(k, v, layer_idx)                         # any model that calls update works
     cache.nbytes()                                        # {"cpu": ..., "cuda:0": ..., "disk": ...}
     cache.offload_stats()     # offload counters: bytes_h2d, bytes_d2h, fetches, side_fetches, host_waits
@@ -12,7 +13,10 @@ layer are re-raised as ``CacheError`` naming the layer index. An update is check
 (``tiercache.layers.validate``), then appended to the chain, which trusts it; ``layers[i].keys`` / ``.values``
 are what a layer holds (``KVLayer.keys``). ``crop`` follows transformers 5.x (see ``crop``); a
 crop a sliding layer cannot give exactly changes no layer. KV-sharing layers that reuse another
-layer's K/V are transformers' placeholders (``tiercache.cache.placeholders``).
+layer's K/V are transformers' placeholders (``tiercache.cache.placeholders``). Hybrid and recurrent
+models (Mamba, Jamba, Falcon-H1 ...): layers with a conv / recurrent state are ``StateLayer``s
+(``tiercache.cache.state_layer``), reached through transformers' state methods
+(``tiercache.cache.hybrid_states``).
 
 Returned K/V may be views of internal buffers, valid until the next call on the cache (as with
 transformers' own caches, attention consumes them at once).
@@ -29,8 +33,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
+from tiercache.cache import accounting
 from tiercache.cache.chain import Shared, build_layers
 from tiercache.cache.cross_attention import check_supported, cross_layer_policies
+from tiercache.cache.hybrid_states import HybridStates
+from tiercache.cache.layer_roles import LayerRoles
 from tiercache.errors import CacheError, PolicyError
 from tiercache.layers.base import KVLayer
 from tiercache.layers.validate import check_layer_index, check_room, check_update
@@ -39,7 +46,7 @@ from tiercache.cache.placeholders import Placeholders
 from tiercache.policy.schema import Policy, load_policy
 
 
-class TieredCache(Cache):
+class TieredCache(HybridStates, Cache):
     def __init__(self, layers: list[KVLayer], policy: Policy, model: ModelSpec, shared=None,
                  model_type: str | None = None):
         super().__init__(layers=layers)
@@ -49,6 +56,7 @@ class TieredCache(Cache):
         self.token_ids: list | None = None  # set by load() when the save had them
         self._shared = shared
         self._reuse = Placeholders(model)  # KV sharing: transformers' DummyLayer rules for these
+        self._roles = LayerRoles(model, self._reuse)  # which layers store K/V, keep states (hybrid models)
 
     @classmethod
     def _build(cls, policy: Policy, model: ModelSpec, model_type: str | None = None) -> "TieredCache":
@@ -104,7 +112,7 @@ class TieredCache(Cache):
 
     @classmethod
     def for_encoder_decoder(cls, policy, model_config) -> "TieredEncoderDecoderCache":
-        """What ``generate(past_key_values=...)`` takes for BART, T5, Whisper ...: an ``EncoderDecoderCache`` of
+        """What ``generate(cache=...)`` takes for BART, T5, Whisper ...: an ``EncoderDecoderCache`` of
         two TieredCaches, self-attention per the policy, cross-attention per its ``cross_attention:`` section."""
         check_supported(model_config)
         policy, model = load_policy(policy), spec_of(model_config)
@@ -116,8 +124,8 @@ class TieredCache(Cache):
         self._layer(layer_idx)
         self._reuse.check_update(layer_idx)
         self._on(layer_idx, lambda layer: check_update(layer, key_states, value_states, model=True))
-        if layer_idx == self._reuse.first:
-            check_room({i: self.layers[i] for i in self._reuse.stores(len(self.layers))}, key_states.shape[2])
+        if layer_idx == self._roles.first(len(self.layers)):
+            check_room({i: self.layers[i] for i in self._roles.kv_layers(len(self.layers))}, key_states.shape[2])
         return self._on(layer_idx, lambda layer: layer.append(key_states, value_states))
 
     # -- what transformers asks ------------------------------------------------------------------
@@ -141,15 +149,6 @@ class TieredCache(Cache):
         return [layer.is_sliding and i not in self._reuse for i, layer in enumerate(self.layers)]
 
     @property
-    def is_linear(self) -> list[bool]:
-        return [False] * len(self.layers)
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        """True for the layers that reuse another layer's K/V (transformers' placeholder layers)."""
-        return [i in self._reuse for i in range(len(self.layers))]
-
-    @property
     def is_compileable(self) -> bool:
         return bool(self.layers) and all(layer.is_compileable for layer in self.layers)
 
@@ -160,7 +159,7 @@ class TieredCache(Cache):
     @property
     def is_initialized(self) -> bool:
         """transformers' meaning: every layer that stores has had an update since it was built or reset."""
-        stores = self._reuse.stores(len(self.layers))
+        stores = [i for i in self._roles.kv_layers(len(self.layers)) if not self.model.states(i)]  # (not hybrid ones)
         return bool(stores) and all(self.layers[i].is_initialized for i in stores)
 
     @property
@@ -206,7 +205,8 @@ class TieredCache(Cache):
         self._each(lambda layer: layer.repeat_interleave(repeats))
 
     def reset(self) -> None:
-        """Empty every layer and free the shared buffers (workspace, prefetch slots): ``nbytes()`` is {} after."""
+        """Empty every layer and free the shared buffers (workspace, prefetch slots): ``nbytes()`` is {} after
+        (but for the conv / recurrent states of hybrid models, zeroed in place as transformers does)."""
         self._each(lambda layer: layer.reset())
         if self._shared is not None:
             self._shared.close()  # re-created on demand
@@ -237,16 +237,12 @@ class TieredCache(Cache):
     # -- accounting ------------------------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:
         """Bytes held now, per place (``cpu``, ``cuda:0``, ``disk`` ...)."""
-        holders = [*self.layers, *([self._shared] if self._shared is not None else [])]
-        return _summed(holder.nbytes() for holder in holders)
+        return accounting.per_place(self.layers, self._shared)
 
     def tier_nbytes(self) -> dict[str, int]:
         """Bytes held now, per tier (``device``, ``host``, ``disk``): host-tier bytes apart from
         compute-device bytes even on a CPU-only machine (the shared buffers are device bytes)."""
-        parts = [layer.tier_nbytes() for layer in self.layers]
-        if self._shared is not None:
-            parts.append({"device": sum(self._shared.nbytes().values())})
-        return {tier: n for tier, n in _summed(parts).items() if n}
+        return accounting.per_tier(self.layers, self._shared)
 
     def shared_nbytes(self) -> dict[str, int]:
         """The part of ``nbytes()`` in buffers shared by all layers, per place: the dequantization
@@ -304,7 +300,8 @@ class TieredCache(Cache):
         return self._shared.buffers() if self._shared is not None else []
 
     def __repr__(self) -> str:
-        return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
+        seen = self.get_seq_length() if self._roles.kv_layers(len(self.layers)) else "-"
+        return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={seen})"
 
     # -- internals -------------------------------------------------------------------------------
     def _layer(self, layer_idx: int) -> KVLayer:
@@ -312,9 +309,10 @@ class TieredCache(Cache):
         return self.layers[layer_idx]
 
     def _attention_layer(self, layer_idx: int, what: str) -> KVLayer:
-        """The layer that answers ``what`` for ``layer_idx`` (a placeholder 0: the first that stores)."""
+        """The layer that answers ``what`` for ``layer_idx`` (a placeholder 0, or a layer 0 without
+        attention: the first that stores K/V, as transformers answers)."""
         self._layer(layer_idx)
-        return self.layers[self._reuse.answering(layer_idx, len(self.layers), what)]
+        return self.layers[self._roles.answering(layer_idx, len(self.layers), what)]
 
     def _on(self, i: int, op):
         """``op(layers[i])``; its CacheError names the layer index."""
@@ -384,7 +382,7 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held now by both halves, per place (``cpu``, ``cuda:0``, ``disk`` ...)."""
-        return _summed([self.self_attention_cache.nbytes(), self.cross_nbytes()])
+        return accounting.summed([self.self_attention_cache.nbytes(), self.cross_nbytes()])
 
     def cross_nbytes(self) -> dict[str, int]:
         return self.cross_attention_cache.nbytes()
@@ -400,11 +398,3 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
     def close(self) -> None:
         self.self_attention_cache.close()
         self.cross_attention_cache.close()
-
-
-def _summed(parts) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for part in parts:
-        for key, n in part.items():
-            total[key] = total.get(key, 0) + n
-    return total

@@ -6,7 +6,7 @@
 
 Encoder-decoder models (BART, T5, Whisper ...) write a layer's cross-attention K/V once, from the
 encoder output, and on every later step read them back through transformers' layer attributes
-``keys`` and ``values`` (``past_key_values.cross_attention_cache.layers[i].keys``) instead of
+``keys`` and ``values`` (``cache.cross_attention_cache.layers[i].keys``) instead of
 calling ``update``. This processor adds exactly those two read-only attributes: each is
 ``inner.kv()``'s key (value) part, so whatever ``inner`` is (full storage, ``Quantize``,
 ``Offload`` or both) the model reads the full-precision K/V on the compute device: views of the

@@ -10,7 +10,8 @@ Interface (tiny on purpose)
     close()                                  release everything for good
 
 ``ComputeTier`` allocates beside the model (its device comes from the first update).
-``HostTier`` keeps tensors in CPU memory, pinned when CUDA is present and asked for.
+``HostTier`` keeps tensors in CPU memory, pinned when the device runtime
+(``tiercache.offload.runtime``: CUDA, or the simulated device) has pinned memory and it is asked for.
 The disk tier lives with the offload processor (``tiercache.offload.disk``).
 """
 
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 import torch
 
+from tiercache.offload import runtime
+
 
 def place_of(device: torch.device | str) -> str:
     """A stable name for a device: ``cpu``, ``cuda:0`` ..."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", runtime.current().current_device())
     return str(device)
 
 
@@ -51,10 +54,10 @@ class HostTier:
     kind = "host"
 
     def __init__(self, pin: bool = True):
-        self.pin = bool(pin) and torch.cuda.is_available()
+        self.pin = bool(pin) and runtime.current().can_pin()
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin)
+        return runtime.current().host_empty(shape, dtype, self.pin)  # pinned memory: the device runtime's
 
     def place(self, device: torch.device) -> str:
         return "cpu"

@@ -60,7 +60,7 @@ def save(cache, path, token_ids=None, cross=None, is_updated=None) -> None:
     path = os.fspath(path)
     if os.path.isdir(path):
         raise CacheError(f"save: {path!r} is a directory; give a file path (e.g. cache.safetensors)")
-    ids = _token_ids(token_ids, cache.get_seq_length(), cache.batch_size)
+    ids = _token_ids(token_ids, _seen(cache), cache.batch_size)
     tensors: dict = {}
     from tiercache import __version__
 
@@ -89,7 +89,7 @@ def _half(cache, prefix: str, tensors: dict) -> dict:
             else:
                 state[key] = value
         layers.append({"state": state, "tensors": names})
-    return {"policy": cache.policy.to_dict(), "seen": cache.get_seq_length(), "layers": layers}
+    return {"policy": cache.policy.to_dict(), "seen": _seen(cache), "layers": layers}
 
 
 def load(cls, path, model, model_type: str | None, device=None, cross_cls=None):
@@ -223,9 +223,15 @@ def _load_layers(cache, f, header: dict, sums: dict, prefix: str, path: str, dev
             layer.load_state_dict(sd)
         except CacheError as e:
             raise CacheError(f"load: {path!r}: {prefix}layer {i}: {e}") from e
-    if cache.get_seq_length() != header["seen"]:
-        raise CacheError(f"load: {path!r}: {prefix}layers hold {cache.get_seq_length()} tokens, the header says "
+    if _seen(cache) != header["seen"]:
+        raise CacheError(f"load: {path!r}: {prefix}layers hold {_seen(cache)} tokens, the header says "
                          f"{header['seen']} (corrupted save)")
+
+
+def _seen(cache) -> int:
+    """Tokens the cache's attention layers hold; 0 for a model without attention layers (Mamba:
+    its states count no tokens, as transformers' linear-attention layers)."""
+    return cache.get_seq_length() if any(cache.model.attends(i) for i in range(len(cache.layers))) else 0
 
 
 # -- writing ---------------------------------------------------------------------------------------

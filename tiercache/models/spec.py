@@ -28,6 +28,13 @@ for their *decoder*, whose layers are what the cache holds: ``decoder_layers`` /
 heads`` (``decoder_view``), or a composite config's own ``decoder`` config (``EncoderDecoderConfig``:
 BERT to GPT-2 ...); ``cross_attention`` is then True: each decoder layer also caches the
 encoder output's K/V, of the same ``kv_shape(i)`` (``TieredCache.for_encoder_decoder``).
+Hybrid and recurrent models (issue 31): besides attention layers a config may name layers that
+keep a fixed-size state instead of K/V (``linear_attention``: Mamba, gated delta nets ...;
+``conv``: LFM), layers with both (``hybrid`` / ``hybrid_sliding``: Falcon-H1, Zamba) and layers
+with neither (``mlp`` / ``moe``: Nemotron-H), as transformers' ``DynamicCache`` reads them:
+``attends(i)`` (the layer caches K/V), ``states(i)`` (how many conv / recurrent state pairs it
+keeps: ``number_of_conv_states``, else 1; 0 for attention-only layers). A model with no
+attention layer at all (Mamba) needs no attention heads in its config.
 KV sharing (``kv_sharing_modes``, Gemma 3n / Gemma 4): a ``"reuse"`` layer never updates the
 cache (it reads another layer's K/V), so it holds nothing; a ``"store"`` layer's returned K/V
 are kept by the model and read after other layers have updated, so its chain must return
@@ -42,6 +49,12 @@ from types import SimpleNamespace
 from tiercache.errors import PolicyError
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # K/V only
+HYBRID_TYPES = ("hybrid", "hybrid_sliding")  # K/V (full / sliding) and a conv / recurrent state
+STATE_TYPES = ("linear_attention", "conv")  # a conv / recurrent state only
+EMPTY_TYPES = ("mlp", "moe", "dummy")  # nothing cached (transformers' DummyLayer)
+LAYER_TYPES = ATTENTION_TYPES + HYBRID_TYPES + STATE_TYPES + EMPTY_TYPES
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,7 @@ class ModelSpec:
     kv_sharing_modes: tuple[str | None, ...] | None = None  # per layer: None | "store" | "reuse"
     chunk_size: int | None = None  # window of chunked_attention layers (None: sliding_window)
     cross_attention: bool = False  # encoder-decoder: each layer also caches cross-attention K/V of kv_shape(i)
+    state_counts: tuple[int, ...] | None = None  # per layer: conv / recurrent states kept (None: none anywhere)
 
     @property
     def dtype_bytes(self) -> int:
@@ -73,11 +87,19 @@ class ModelSpec:
         """Tokens layer ``index`` keeps: None (full attention), ``sliding_window`` (sliding) or
         ``chunk_size`` (chunked; ``sliding_window`` when the spec has no chunk size)."""
         kind = self.layer_types[index]
-        if kind == "full_attention":
+        if kind in ("full_attention", "hybrid") or not self.attends(index):
             return None
         if kind == "chunked_attention" and self.chunk_size is not None:
             return self.chunk_size
         return self.sliding_window
+
+    def attends(self, index: int) -> bool:
+        """Layer ``index`` caches attention K/V (attention and hybrid layers)."""
+        return self.layer_types[index] in ATTENTION_TYPES + HYBRID_TYPES
+
+    def states(self, index: int) -> int:
+        """How many conv / recurrent state pairs layer ``index`` keeps (0: none)."""
+        return 0 if self.state_counts is None else self.state_counts[index]
 
     def kv_sharing(self, index: int) -> str | None:
         """``None``, ``"store"`` (later layers read its K/V) or ``"reuse"`` (it caches nothing)."""
@@ -85,7 +107,9 @@ class ModelSpec:
 
     def describe(self) -> str:
         """``2 kv heads x 64`` (or each distinct shape, when layers differ)."""
-        shapes = sorted({self.kv_shape(i) for i in range(self.num_layers)}, reverse=True)
+        shapes = sorted({self.kv_shape(i) for i in range(self.num_layers) if self.attends(i)}, reverse=True)
+        if not shapes:
+            return "no attention layers"
         return ", ".join(f"{h} kv heads x {k}" if k == v else f"{h} kv heads x {k} (keys) / {v} (values)"
                          for h, k, v in shapes)
 
@@ -105,27 +129,31 @@ class ModelSpec:
         name = getattr(config, "config_name", None) or type(config).__name__
         n = getattr(config, "num_hidden_layers", None)
         heads = _read(config, "num_attention_heads", per_layer)
-        if n is None or heads is None:
-            raise PolicyError(f"model config {name} lacks num_hidden_layers / num_attention_heads: not a decoder config")
-        _positive(n, "num_hidden_layers", name)
-        shapes = [_kv_shape(c, name) for c in per_layer] if per_layer else [_kv_shape(config, name)] * n
-        kv_heads, head_dim, value_dim = shapes[0]
         window = _read(config, "sliding_window", per_layer)
         chunk = _read(config, "attention_chunk_size", per_layer)
         types = getattr(config, "layer_types", None)
-        if types is None:
+        if n is not None and types is None:
             kind = "sliding_attention" if window else ("chunked_attention" if chunk else "full_attention")
             types = [kind] * n
+        attention = types is not None and any(t in ATTENTION_TYPES + HYBRID_TYPES for t in types)
+        if n is None or (heads is None and attention):
+            raise PolicyError(f"model config {name} lacks num_hidden_layers / num_attention_heads: not a decoder config")
+        _positive(n, "num_hidden_layers", name)
         types = tuple(types)
         if len(types) != n:
             raise PolicyError(f"model config {name}: layer_types has {len(types)} entries for num_hidden_layers={n}")
-        unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention", "chunked_attention")})
+        unknown = sorted({t for t in types if t not in LAYER_TYPES})
         if unknown:
             raise PolicyError(
-                f"model layer types {unknown} are not supported by tiercache (attention layers only: "
-                "full_attention, sliding_attention, chunked_attention)"
+                f"model layer types {unknown} are not supported by tiercache (supported: {', '.join(LAYER_TYPES)})"
             )
-        if "sliding_attention" in types:
+        if not attention:  # no K/V anywhere (Mamba): no attention shape to read
+            shapes = [(1, 1, 1)] * n
+        else:
+            shapes = [_kv_shape(c, name) for c in per_layer] if per_layer else [_kv_shape(config, name)] * n
+        kv_heads, head_dim, value_dim = shapes[0]
+        counts = _state_counts(config, per_layer, types)
+        if "sliding_attention" in types or "hybrid_sliding" in types:
             window = window or chunk  # a sliding layer without sliding_window: the chunk size, as before
             _positive(window, "sliding_window (its sliding layers need a window)", name)
         if "chunked_attention" in types:
@@ -152,6 +180,7 @@ class ModelSpec:
             kv_sharing_modes=sharing,
             chunk_size=chunk if "chunked_attention" in types else None,
             cross_attention=cross,
+            state_counts=counts,
         )
 
 
@@ -202,6 +231,15 @@ def _kv_shape(c, name: str) -> tuple[int, int, int]:
         return 1, head_dim, head_dim
     kv = getattr(c, "num_key_value_heads", None)
     return (heads if kv is None else _positive(kv, "num_key_value_heads", name)), head_dim, head_dim
+
+
+def _state_counts(config, per_layer, types) -> tuple[int, ...] | None:
+    """Conv / recurrent state pairs per layer (transformers: ``number_of_conv_states``, default 1)."""
+    if not any(t in STATE_TYPES + HYBRID_TYPES for t in types):
+        return None
+    configs = per_layer or [config] * len(types)
+    return tuple((getattr(c, "number_of_conv_states", None) or 1) if t in STATE_TYPES + HYBRID_TYPES else 0
+                 for c, t in zip(configs, types))
 
 
 def _positive(value, field: str, name: str) -> int:

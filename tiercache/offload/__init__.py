@@ -2,5 +2,6 @@
 
 ``processor`` (the processor), ``prefetch`` (the next layers brought in on a side stream),
 ``mirror`` (the device copy a layer is read from), ``writeback`` (new tokens written back,
-deferred), ``disk`` (the disk tier). Torch-only.
+deferred), ``disk`` (the disk tier), ``runtime`` (the device runtime seam: CUDA or the simulated
+device), ``simdevice`` / ``simmemory`` (a deterministic simulated device for CPU tests). Torch-only.
 """

@@ -42,10 +42,14 @@ def mirror_capacity(need: int, floor: int = 0) -> int:
     return max(capacity_for(need), floor)
 
 
-def steady_capacity(host_capacity: int, kept: int) -> int:
+def steady_capacity(host_capacity: int, kept: int, rows: int = 2, floor: int = 0) -> int:
     """The capacity a layer's mirror settles at while decoding, keeping ``kept`` tokens (rows)
     in host rows of ``host_capacity``: a fetch copies the host rows as they are (``host_capacity``),
-    the next append regrows it to ``mirror_capacity(kept + 1)``; slots never shrink."""
+    the next append regrows it to ``mirror_capacity(kept + 1)``; slots never shrink. One row
+    (``rows`` = batch x KV heads == 1) is fetched with room for the next token:
+    ``mirror_capacity(kept + 1, floor)`` (``floor``: a static layer's max_length)."""
+    if rows == 1:
+        return mirror_capacity(kept + 1, floor)
     return mirror_capacity(kept + 1, host_capacity)
 
 
@@ -77,27 +81,34 @@ def nbytes_of(t: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """A fetch: the host views to copy, the mirror's capacity, one flat copy per tensor or not."""
+    """A fetch: the host views to copy, the mirror's capacity, one flat copy per tensor or not,
+    and the staged write-backs to copy after the host tokens."""
 
-    k: torch.Tensor  # [B, H, S, Dk] host view
+    k: torch.Tensor  # [B, H, S, Dk] host view (S may be 0)
     v: torch.Tensor  # [B, H, S, Dv]
     cap: int
     flat: bool
     nbytes: int  # slot bytes the mirror needs
+    extra: tuple = ()  # ([B, H, T, Dk], [B, H, T, Dv]) pinned pairs, oldest first
 
 
-def plan(host, room: int, pad: int) -> Plan | None:
-    """How to copy ``host`` (the host layer's ``kv()``) with room for ``room`` more tokens."""
-    if host is None:
+def plan(host, room: int, pad: int, extra=()) -> Plan | None:
+    """How to copy ``host`` (the host layer's ``kv()``) and then ``extra`` (staged write-backs)
+    with room for ``room`` more tokens."""
+    extra = tuple(extra)
+    if host is None and not extra:
         return None
-    hk, hv = host  # [B, H, S, D] host views
-    s = hk.shape[2]
+    hk, hv = host if host is not None else (extra[0][0][:, :, :0], extra[0][1][:, :, :0])  # [B, H, S, D]
+    s, staged = hk.shape[2], sum(k.shape[2] for k, _ in extra)
     ck, cv = row_stride(hk), row_stride(hv)
-    # One flat copy per tensor when the host rows allow it; an update needing more room than
-    # the host rows have regrows the mirror on the device (cheap next to the bus).
-    flat = ck is not None and ck == cv and ck >= pad and hk.shape[0] * hk.shape[1] > 0
-    cap = ck if flat else mirror_capacity(s + room, pad)
-    return Plan(hk, hv, cap, flat, layout_bytes(hk, hv, cap))
+    # One flat copy per tensor when the host rows allow it (and hold the staged tokens too); an
+    # update needing more room than the host rows have regrows the mirror on the device (cheap
+    # next to the bus). One row (batch 1, one KV head) is one span anyway, and its strides do
+    # not tell the host capacity: it gets room like a non-flat copy, else every step regrows.
+    rows = hk.shape[0] * hk.shape[1]
+    flat = ck is not None and ck == cv and ck >= max(pad, s + staged) and rows > 1 and s > 0
+    cap = ck if flat else mirror_capacity(s + staged + room, pad)
+    return Plan(hk, hv, cap, flat, layout_bytes(hk, hv, cap), extra)
 
 
 class Mirror:
@@ -115,7 +126,8 @@ class Mirror:
         return 0 if self.k is None else self.k.shape[2]
 
     def fill(self, p: Plan | None) -> int:
-        """Copy the host layer into the slot (the caller made the side stream current); bytes moved."""
+        """Copy the host layer, then the staged pairs, into the slot (the caller made the side
+        stream current); bytes moved."""
         if p is None:
             return 0
         hk, hv, cap = p.k, p.v, p.cap
@@ -127,10 +139,17 @@ class Mirror:
                 n = ((b * h - 1) * cap + s) * src.shape[3]
                 dst.view(-1)[:n].copy_(src.as_strided((n,), (1,)), non_blocking=True)
                 moved += n * src.element_size()
-            else:
+            elif s:
                 dst[:, :, :s].copy_(src, non_blocking=True)
                 moved += nbytes_of(src)
-            if self.pad:
+        for ek, ev in p.extra:  # staged write-backs, after the host tokens
+            t = ek.shape[2]
+            self.k[:, :, s : s + t].copy_(ek, non_blocking=True)
+            self.v[:, :, s : s + t].copy_(ev, non_blocking=True)
+            moved += nbytes_of(ek) + nbytes_of(ev)
+            s += t
+        if self.pad:
+            for dst in (self.k, self.v):
                 dst[:, :, s:].zero_()  # static: attention reads the masked tail; keep it finite
         self.lo, self.held = 0, s
         return moved

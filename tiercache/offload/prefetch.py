@@ -14,12 +14,17 @@ Interface used by ``Offload`` (``tiercache.offload.processor``)
     prefetch(layer)                        start fetching ``layer`` if a slot is free
     evict(layer)                           drop the layer's mirror (after crop, reorder ...)
     count_d2h(nbytes), count_host_wait(), stats(), nbytes(), close()
-    side_stream(device) -> torch.cuda.Stream       the side stream (offload write-backs use it too)
+    side_stream(home) -> Stream            the side stream of that device, one per device (offload
+                                           write-backs use it too)
 
-A layer offers, read-only: ``key`` (from ``register``), ``depth`` (layers fetched ahead),
-``device`` (its compute device), ``pad`` (its mirror's least capacity: a static layer's
-max_length, else 0) and ``host_kv()`` (its host copy, ``[B, H, S, D]`` views, or None; pending
-write-backs joined first). The prefetcher never writes a layer's attributes; a ``Mirror`` it
+Streams, events, device memory and ``record_stream`` come from the device runtime
+(``tiercache.offload.runtime``: CUDA, or the simulated device of the CPU tests), never from
+``torch.cuda`` directly. A layer offers, read-only: ``key`` (from ``register``), ``depth`` (layers
+fetched ahead), ``device`` (its compute device), ``home`` (its stream device, from the runtime;
+None on the CPU), ``pad`` (its mirror's least capacity: a static layer's
+max_length, else 0), ``host_kv()`` (its host copy, ``[B, H, S, D]`` views, or None; landed
+write-backs joined first) and ``staged_kv()`` (the write-backs still staged, pinned: a fetch
+copies them after the host copy, on the side stream that wrote them). The prefetcher never writes a layer's attributes; a ``Mirror`` it
 has dropped is marked ``valid = False`` and holds no views.
 
 Errors: a device buffer that cannot be allocated (``torch.OutOfMemoryError``) raises
@@ -31,8 +36,20 @@ recorded on the compute stream when the slot's previous owner stopped being in u
 attention was enqueued by then), so no buffer is overwritten while it is still read; the
 compute stream ``wait_event(slot.ready)`` before reading a mirror, so no copy is read before it
 lands. Slot memory is allocated on the compute stream and ``record_stream``-ed on the side one.
-At most ``depth + 1`` slots exist: the layer in use and the ones fetched ahead. Without CUDA
-there is no stream or event; the copies are real, synchronous copies on the CPU.
+Each device has its own side stream; a slot whose bytes are on another device than the layer
+it is given to gets fresh bytes on the layer's device (layers of one cache may sit on several
+GPUs). At most ``depth + 1`` slots exist: the layer in use and the ones fetched ahead. Without
+CUDA (no stream device) there is no stream or event; the copies are real, synchronous copies.
+
+No host wait is needed to drop a mirror (``evict``: before the host copy changes in place, is
+replaced or freed) or the slots (``close``): a fetch still in flight only fills a mirror nobody
+reads again (a later fetch into the same slot is ordered after it on the same side stream; one
+into fresh bytes waits for the compute stream); slot memory is ``record_stream``-ed on the side
+stream, so freeing it waits for the fetch; a pinned host copy freed meanwhile is kept by torch's
+pinned-memory allocator until the copies that read it are done (it records an event per
+non-blocking copy); a pageable one (disk tier, ``pin_memory: false``) was read before the copy
+call returned. The simulated device checks this: a fetch whose host source changes under it
+copies poison, which nothing reads.
 
 Counters (``stats()``; ``TieredCache.offload_stats()``): ``bytes_h2d`` (host -> device,
 fetches: the bytes copied, including the free slack between rows that a one-span copy carries), ``bytes_d2h`` (new tokens written back), ``fetches`` and ``side_fetches`` (those
@@ -48,6 +65,7 @@ import weakref
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.offload import runtime
 from tiercache.offload.mirror import Mirror, layout_bytes, mirror_capacity, plan
 from tiercache.layers.tiers import place_of
 
@@ -60,6 +78,7 @@ class Slot:
 
     def __init__(self):
         self.data: torch.Tensor | None = None  # [nbytes] uint8 on the compute device
+        self.home = None  # the stream device of `data` (None: the CPU, no streams)
         self.owner: int | None = None  # key of the layer whose mirror it holds
         self.ready = None  # event: the fetch into it has landed (side stream)
         self.release = None  # event: its last reader was enqueued before this (compute stream)
@@ -87,7 +106,7 @@ class Prefetcher:
         self.slots: list[Slot] = []
         self.mirrors: dict[int, Mirror] = {}  # layer key -> its mirror, while fetched
         self.current: int | None = None
-        self.stream = None  # side CUDA stream, made at the first CUDA fetch
+        self.streams: dict = {}  # stream device -> its side stream, made at its first use
         self._next_key = 0
         self.bytes_h2d = 0
         self.bytes_d2h = 0
@@ -144,11 +163,9 @@ class Prefetcher:
                 pass  # optional, as above
 
     def evict(self, layer) -> None:
-        """Forget the layer's mirror; wait for its fetch so its host copy may change."""
+        """Forget the layer's mirror (no wait: see "Safety")."""
         mirror = self.mirrors.get(layer.key)
         if mirror is not None:
-            if mirror.slot.ready is not None:
-                mirror.slot.ready.synchronize()
             self._release(mirror.slot)
         if self.current == layer.key:
             self.current = None
@@ -168,8 +185,10 @@ class Prefetcher:
         old = mirror.kv() if mirror.held else None
         nbytes = layout_bytes(key, value, cap)
         slot = mirror.slot
-        if old is not None or nbytes > slot.nbytes():
-            slot.data = self._alloc(nbytes, key.device)  # fresh bytes: `old` stays valid
+        home = runtime.current().device_of(key)
+        if old is not None or nbytes > slot.nbytes() or slot.home != home:
+            slot.data = self._alloc(nbytes, home, key.device)  # fresh bytes: `old` stays valid
+            slot.home = home
         mirror.relayout(cap, key, value, old)
 
     def stats(self) -> dict[str, int]:
@@ -179,10 +198,11 @@ class Prefetcher:
     def count_host_wait(self) -> None:
         self.host_waits += 1
 
-    def side_stream(self, device) -> "torch.cuda.Stream":
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(device)
-        return self.stream
+    def side_stream(self, home):
+        """The side stream of the stream device ``home`` (one per device, made at first use)."""
+        if home not in self.streams:
+            self.streams[home] = runtime.current().new_stream(home)
+        return self.streams[home]
 
     def count_d2h(self, nbytes: int) -> None:
         self.bytes_d2h += nbytes
@@ -197,8 +217,6 @@ class Prefetcher:
         return out
 
     def close(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
         for slot in self.slots:
             self._release(slot)
         self.slots = []
@@ -220,16 +238,18 @@ class Prefetcher:
         if mirror is not None:
             mirror.invalidate()
         slot.owner = None
-        if slot.data is not None and slot.data.is_cuda:
-            slot.release = torch.cuda.Event()
-            slot.release.record(torch.cuda.current_stream(slot.data.device))
+        if slot.data is not None and slot.home is not None:
+            rt = runtime.current()
+            slot.release = rt.event()
+            slot.release.record(rt.current_stream(slot.home))
 
     def _fetch(self, layer, room: int) -> None:
         slot = next((s for s in self.slots if s.owner is None), None) or Slot()
-        p = plan(layer.host_kv(), room, layer.pad)  # host_kv may raise CacheError (a failed write-back)
-        fresh = p is not None and p.nbytes > slot.nbytes()
+        p = plan(layer.host_kv(), room, layer.pad, layer.staged_kv())  # host_kv may raise CacheError (a failed write-back)
+        fresh = p is not None and (p.nbytes > slot.nbytes() or slot.home != layer.home)
         if fresh:  # may raise CacheError: then no slot is taken and nothing has changed
-            slot.data = self._alloc(p.nbytes, layer.device)  # the old bytes are not needed
+            slot.data = self._alloc(p.nbytes, layer.home, layer.device)  # the old bytes are not needed
+            slot.home = layer.home
         if slot not in self.slots:
             self.slots.append(slot)
         slot.owner = layer.key
@@ -245,38 +265,37 @@ class Prefetcher:
 
         Memory just allocated on the compute stream may have been freed there by work still
         queued: then the side stream waits for everything the compute stream has so far."""
-        if slot.data is None or not slot.data.is_cuda:
+        if slot.data is None or slot.home is None:
             slot.ready = None
             yield
             return
-        device = slot.data.device
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(device)
+        rt = runtime.current()
+        stream = self.side_stream(slot.home)
         if fresh:
-            self.stream.wait_stream(torch.cuda.current_stream(device))
+            stream.wait_stream(rt.current_stream(slot.home))
         elif slot.release is not None:
-            self.stream.wait_event(slot.release)
-        with torch.cuda.stream(self.stream):
+            stream.wait_event(slot.release)
+        with rt.use(stream):
             yield
-        slot.ready = torch.cuda.Event()
-        slot.ready.record(self.stream)
+        slot.ready = rt.event()
+        slot.ready.record(stream)
         self.side_fetches += 1
 
     def _wait(self, slot: Slot) -> None:
-        if slot.ready is not None and slot.data is not None and slot.data.is_cuda:
-            torch.cuda.current_stream(slot.data.device).wait_event(slot.ready)
+        if slot.ready is not None and slot.data is not None and slot.home is not None:
+            runtime.current().current_stream(slot.home).wait_event(slot.ready)
 
-    def _alloc(self, nbytes: int, device) -> torch.Tensor:
+    def _alloc(self, nbytes: int, home, device) -> torch.Tensor:
+        """``[nbytes]`` uint8 on the stream device ``home`` (None: plain memory on ``device``)."""
         nbytes = -(-nbytes // ALIGN) * ALIGN if torch.device(device).type == "cuda" else nbytes
-        try:
-            data = torch.empty(nbytes, dtype=torch.uint8, device=device)  # on the compute stream
+        rt = runtime.current()
+        try:  # on the compute stream
+            data = torch.empty(nbytes, dtype=torch.uint8, device=device) if home is None else rt.device_empty(nbytes, home)
         except RuntimeError as e:  # torch.OutOfMemoryError is one
             raise CacheError(
                 f"offload: cannot allocate {nbytes} bytes on {device} for a layer's device copy: {e}; "
                 "free device memory or lower offload.prefetch (the layer is unchanged)"
             ) from e
-        if data.is_cuda:
-            if self.stream is None:
-                self.stream = torch.cuda.Stream(data.device)
-            data.record_stream(self.stream)
+        if home is not None:
+            rt.record_stream(data, self.side_stream(home))
         return data

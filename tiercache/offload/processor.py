@@ -44,16 +44,23 @@ prefetcher, which reports them once for the whole cache (``Prefetcher.nbytes()``
 ``TieredCache.nbytes``); on a CPU-only run the "device" is the CPU, so they appear under
 ``"cpu"`` as well: they are real extra bytes there.
 
-Without CUDA the compute device and the host are both the CPU: every copy still happens through
+Without a stream device the compute device and the host are both the CPU: every copy still happens through
 the same code (fetch, append, write-back), with no stream or event, and results are
 bit-identical to a resident layer.
 
-Write-back (``tiercache.offload.writeback``): on CUDA, for full storage in pinned host memory
-(``deferred``), the new tokens reach the host layer without a host sync and join it at the
-layer's next use at the latest: every use, host-side and lifecycle operation calls ``_settle``
-first; ``seq_length`` and ``mask_sizes`` count the staged tokens. Elsewhere it is synchronous,
-after the mirror is acquired. A write-back that failed refuses every use (``CacheError``) until
-``reset`` (which drops pending write-backs) or a replacing ``ingest`` / ``load_state_dict`` / ``adopt``.
+Write-back (``tiercache.offload.writeback``): on CUDA, for full and static storage in pinned
+host memory (``deferred``), the new tokens reach the host layer without a host sync; they join it
+once landed (checked with ``query()`` at the layer's uses, never a wait) and at the latest at a
+host-side or lifecycle operation (``_settle``, which waits); a fetch meanwhile copies the staged
+tokens from their pinned staging after the host copy, on the side stream that wrote them;
+``seq_length`` and ``mask_sizes`` count the staged tokens. Elsewhere (sliding, disk) it is
+synchronous, after the mirror is acquired. A write-back that failed refuses every use
+(``CacheError``) until ``reset`` (which drops pending write-backs) or a replacing ``ingest`` /
+``load_state_dict`` / ``adopt``.
+
+Streams, events, pinned memory and device memory come from the device runtime
+(``tiercache.offload.runtime``): CUDA, or the simulated device the CPU tests run this same
+code on (``tiercache.offload.simdevice``).
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ from tiercache.layers.base import KVLayer
 from tiercache.layers.spec import KVSpec, check_pair
 from tiercache.layers.state import expect, nest, part
 from tiercache.policy.schema import OffloadPolicy
-from tiercache.offload import writeback
+from tiercache.offload import runtime, writeback
 from tiercache.offload.mirror import mirror_capacity, nbytes_of, row_stride
 from tiercache.offload.prefetch import Prefetcher
 from tiercache.layers.tiers import HostTier
@@ -101,23 +108,24 @@ class Offload(KVLayer):
         self.is_sliding = inner.is_sliding
         limit = inner.max_length()
         self.pad = limit if (not inner.is_sliding and limit > 0) else 0  # static: views span max_length
-        self.device: torch.device | None = None  # the compute device, from the first update
-        # CUDA write-backs not yet in the host layer, oldest first (full storage only)
-        self.deferred = deferred and not inner.is_sliding and inner.max_length() <= 0
+        self.device: torch.device | None = None  # the compute device, from the first update (sets `home`)
+        # CUDA write-backs not yet in the host layer, oldest first (full and static storage; not a
+        # padded static layer, whose answer spans max_length): see writeback.py for sliding
+        self.deferred = deferred and not inner.is_sliding and not inner.is_compileable
         self.staged = writeback.Staged(prefetcher, index)
         self.key = prefetcher.register(self, index)
 
     # -- the protocol -----------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = key.shape[2]  # shape, dtype, batch, device, room: checked once (layers/validate.py)
-        self._settle()  # earlier write-backs join the host layer first (they may regrow it)
+        self._settle(block=False)  # landed write-backs join the host layer (they may regrow it); never a wait
         defer = writeback.defers(self, key)
-        self.device = key.device
+        self._on(key)
         if self._long_sliding(t):
             return self._append_long(key, value)
         mirror = self.prefetcher.acquire(self, room=t)  # may raise CacheError (device memory): nothing changed
         self.prefetcher.reserve(mirror, key, value)  # likewise, before the host copy changes
-        if defer:  # full storage: it will show every held token
+        if defer:  # full or static storage: it will show every held token
             writeback.write_back(self, key, value, *writeback.staging(key, value))  # [B, H, T, D] pinned
             shown = mirror.held + t
         else:
@@ -179,7 +187,7 @@ class Offload(KVLayer):
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
         kv_length, offset = self.inner.mask_sizes(query_length)
-        return kv_length + writeback.staged_tokens(self), offset  # staged only on full storage: no window offset
+        return kv_length + writeback.staged_tokens(self), offset  # staged only on full / static storage: no window offset
 
     def max_length(self) -> int:
         return self.inner.max_length()
@@ -227,8 +235,8 @@ class Offload(KVLayer):
         self.device = None
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        self._settle()
-        if self.inner.kv() is None:
+        self._settle(block=False)
+        if self.inner.kv() is None and not self.staged:
             return None
         return self.prefetcher.acquire(self).kv()
 
@@ -297,7 +305,7 @@ class Offload(KVLayer):
         host_k, host_v = writeback.to_host(key, value) if key.shape[2] else (key.cpu(), value.cpu())
         self.inner.ingest(host_k, host_v, seen)
         self.staged.clear()
-        self.device = key.device
+        self._on(key)
 
     def can_adopt(self, other: KVLayer) -> bool:
         return isinstance(other, Offload)
@@ -314,6 +322,7 @@ class Offload(KVLayer):
         self.inner.ingest(*held)
         self.staged.clear()
         self.device = other.device
+        self.home = other.home
 
     def host_export(self):
         """The host copy as the wrapped layer exports it (host tensors, ``seen``), staged write-backs joined."""
@@ -327,15 +336,37 @@ class Offload(KVLayer):
         if self.device is not None and self.inner.kv() is not None:
             self.prefetcher.prefetch(self)
 
-    # -- what the prefetcher reads to fetch the mirror (and ``key``, ``depth``, ``device``, ``pad``)
+    # -- what the prefetcher reads to fetch the mirror (and ``key``, ``depth``, ``device``, ``home``, ``pad``)
     def host_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The host copy, ``[B, H, S, D]`` views, every staged write-back joined first."""
-        self._settle()
+        """The host copy, ``[B, H, S, D]`` views, the landed write-backs joined first (no wait)."""
+        self._settle(block=False)
         return self.inner.kv()
 
+    def staged_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The write-backs still staged (pinned ``[B, H, T, D]``, oldest first), after ``host_kv()``:
+        a fetch copies them after the host copy, on the side stream that wrote them (so after
+        they land there), instead of waiting for them on the host."""
+        return self.staged.pending()
+
     # -- internals --------------------------------------------------------------------------
-    def _settle(self) -> None:
-        writeback.settle(self)
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    @device.setter
+    def device(self, device) -> None:
+        """The compute device; ``home`` (the stream device the prefetcher allocates the mirror on,
+        None on the CPU) follows it, from the runtime."""
+        self._device = device
+        self.home = None if device is None else runtime.current().home_of(device)
+
+    def _on(self, key: torch.Tensor) -> None:
+        """The layer computes where ``key`` is (its stream device from the tensor: the exact one)."""
+        self._device = key.device
+        self.home = runtime.current().device_of(key)
+
+    def _settle(self, block: bool = True) -> None:
+        writeback.settle(self, block)
 
     def _settle_unless_failed(self) -> None:
         """Settle, unless a write-back already failed: then ``nbytes()`` still counts what is held
@@ -345,11 +376,11 @@ class Offload(KVLayer):
 
     def _release_mirror(self) -> None:
         self._settle()
-        self.prefetcher.evict(self)  # waits for any fetch reading the host copy
+        self.prefetcher.evict(self)  # drops the mirror (a fetch in flight fills it for nobody)
 
     def _before_replace(self) -> None:
         """Before the host copy is replaced (``ingest``, ``load_state_dict``, ``adopt``): pending
         write-backs join it, so a refused replacement leaves the layer as it was; a failed one
         (``Staged.failed``) is not raised: the new state replaces the broken copy."""
         self._settle_unless_failed()
-        self.prefetcher.evict(self)  # waits for any fetch reading the host copy
+        self.prefetcher.evict(self)  # drops the mirror (a fetch in flight fills it for nobody)

@@ -6,26 +6,39 @@ Interface (used by ``tiercache.offload.processor.Offload``; ``layer`` is the Off
     staging(key, value) -> [host_k, host_v]     pinned host tensors for a staged write-back
     write_back(layer, key, value, host_k, host_v)   enqueue the staged copy (no host sync)
     staged_tokens(layer) -> int                 tokens staged, not yet in the host layer
-    settle(layer)                               join the landed write-backs to the host layer
+    settle(layer, block=True)                   join the write-backs to the host layer (``block``: waiting
+                                                for those in flight; else only the landed ones)
     Staged(prefetcher, index)                   the layer's queue of staged write-backs (``layer.staged``):
-        push(host_k, host_v, done), len(), tokens(), first(), settle(inner), clear(), failed
+        push(host_k, host_v, done), len(), tokens(), first(), pending(), settle(inner, block), clear(), failed
 The module reads the layer (``deferred``, ``prefetcher``, ``inner``, ``staged``) and changes
 only its ``Staged`` queue, through the queue's methods.
 
-Write-back on CUDA (``deferred``: full storage in pinned host memory, the ``cpu`` tier): the new
-tokens are copied into a pinned staging pair on the prefetcher's side stream (after it waits for
+Streams, events, pinned memory and ``record_stream`` come from the device runtime
+(``tiercache.offload.runtime``); "CUDA" below means any stream device (the simulated one too).
+
+Write-back on CUDA (``deferred``: full or static storage in pinned host memory, the ``cpu`` tier): the new
+tokens are copied into a pinned staging pair on the side stream of their device (after it waits for
 the compute stream; ``record_stream`` keeps their device memory alive), with an event; the
-update returns at once, no host sync. The staged tokens join the host layer when the event has
-landed, at the layer's next use at the latest (``update``, ``kv``, a fetch of its mirror, any
-host-side or lifecycle operation, ``nbytes``): ``settle`` reads the event with ``query()`` and only blocks
-(counted in ``offload_stats()["host_waits"]``) when the copy is still in flight. A fetch after that reads
-the whole host copy on the same side stream, so it is ordered after the write-back.
+update returns at once, no host sync. The staged tokens join the host layer once the event has
+landed: the layer's uses (``update``, ``kv``, a fetch of its mirror) join the landed ones
+(``query()``, never a wait); a host-side or lifecycle operation (and ``nbytes``) joins all of them,
+blocking (counted in ``offload_stats()["host_waits"]``) on one still in flight. A fetch of the
+mirror copies the host copy, then the pairs still staged from their pinned staging, on the side
+stream that wrote them: ordered after the write-backs, with no host wait.
 ``seq_length`` and ``mask_sizes`` count the staged tokens. An error from the host tier (a CUDA
 error of the copy, the host buffer that cannot grow) raises ``CacheError`` naming the layer when
 it surfaces, and at every later use of the layer until it is reset or its state replaced
-(``Staged.failed``). Disk, sliding and static host layers copy synchronously (one event wait per
-update, after the layer's mirror was acquired: the host copy changes only once its fetch has
-landed): their update reads or moves host memory at once.
+(``Staged.failed``).
+
+Sliding and disk host layers copy synchronously (one event wait per update, after the layer's
+mirror was acquired: the host copy changes only once its fetch has landed). Why not sliding:
+what a sliding layer shows and keeps for an update (the window's tail; a long update's fresh
+tensors; every token while recording) is decided by its ``append``, and the mirror follows that
+answer (``Mirror.keep``); deferring the append would have ``Offload`` predict the window's rules
+instead of asking the layer, which the layer protocol does not offer. Its window is small, so the
+wait costs latency, not bandwidth. Disk: the host tier is pageable memory-mapped files, which a
+non-blocking copy cannot target (CUDA copies to pageable memory synchronously anyway). Static
+storage (not padded) is deferred like full storage: it shows every held token and keeps them all.
 
 Every lifecycle operation of the layer settles first (``state_dict``, ``export``: fork, save,
 retier read every token; ``load_state_dict``, ``ingest``, ``evict`` replace or drop the host
@@ -37,43 +50,49 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.offload import runtime
 
 
 def to_host(key: torch.Tensor, value: torch.Tensor):
     """The new tokens on the CPU: the tensors themselves on CPU, else a pinned copy, waited for."""
-    if key.device.type == "cpu":
+    rt = runtime.current()
+    home = rt.device_of(key)
+    if home is None:
         return key, value
     out = []
     for t in (key, value):
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host = rt.pinned_empty(t.shape, t.dtype)
         host.copy_(t, non_blocking=True)
         out.append(host)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(key.device))
+    done = rt.event()
+    done.record(rt.current_stream(home))
     done.synchronize()
     return out
 
 
 def defers(layer, key: torch.Tensor) -> bool:
-    """Whether this update's write-back is staged (CUDA, full storage in host memory)."""
-    return layer.deferred and key.is_cuda
+    """Whether this update's write-back is staged (a stream device, full or static storage in host memory)."""
+    return layer.deferred and runtime.current().device_of(key) is not None
 
 
 def staging(key: torch.Tensor, value: torch.Tensor):
     """Pinned host tensors shaped like ``key`` / ``value``, for their write-back."""
-    return [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (key, value)]
+    rt = runtime.current()
+    return [rt.pinned_empty(t.shape, t.dtype) for t in (key, value)]
 
 
 def write_back(layer, key, value, host_k, host_v) -> None:
-    """Enqueue the device -> host copy of the new tokens on the side stream; no host sync."""
-    stream = layer.prefetcher.side_stream(key.device)
-    stream.wait_stream(torch.cuda.current_stream(key.device))  # the tokens are written on the compute stream
-    with torch.cuda.stream(stream):
+    """Enqueue the device -> host copy of the new tokens on their device's side stream; no host sync."""
+    rt = runtime.current()
+    home = rt.device_of(key)
+    stream = layer.prefetcher.side_stream(home)
+    stream.wait_stream(rt.current_stream(home))  # the tokens are written on the compute stream
+    with rt.use(stream):
         host_k.copy_(key, non_blocking=True)
         host_v.copy_(value, non_blocking=True)
     for t in (key, value):
-        t.record_stream(stream)  # their memory is not reused before the copy has read it
-    done = torch.cuda.Event()
+        rt.record_stream(t, stream)  # their memory is not reused before the copy has read it
+    done = rt.event()
     done.record(stream)
     layer.staged.push(host_k, host_v, done)
 
@@ -82,9 +101,10 @@ def staged_tokens(layer) -> int:
     return layer.staged.tokens()
 
 
-def settle(layer) -> None:
-    """Append the landed write-backs to the host layer (blocking only on one still in flight)."""
-    layer.staged.settle(layer.inner)
+def settle(layer, block: bool = True) -> None:
+    """Append the landed write-backs to the host layer; ``block``: all of them, waiting for one still
+    in flight (counted in ``host_waits``), else only those landed already (never a wait)."""
+    layer.staged.settle(layer.inner, block)
 
 
 class Staged:
@@ -119,14 +139,21 @@ class Staged:
         self.pairs = []
         self.failed = None
 
-    def settle(self, inner) -> None:
-        """Append the landed pairs to ``inner`` (the host layer), oldest first."""
+    def pending(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The staged keys and values, oldest first (``[B, H, T, D]`` pinned; maybe not landed)."""
+        return [(k, v) for k, v, _ in self.pairs]
+
+    def settle(self, inner, block: bool = True) -> None:
+        """Append the landed pairs to ``inner`` (the host layer), oldest first; ``block``: every
+        pair, waiting for those in flight; else stop at the first one in flight."""
         if self.failed is not None:
             raise CacheError(self.failed)
         while self.pairs:
             host_k, host_v, done = self.pairs[0]
             try:
                 if not done.query():
+                    if not block:
+                        return
                     self.prefetcher.count_host_wait()
                     done.synchronize()
             except RuntimeError as e:  # a CUDA error of the copy

@@ -134,6 +134,8 @@ def _dtype_name(spec: ModelSpec) -> str:
 
 
 def _form(lp, spec: ModelSpec) -> str:
+    if not lp.attends:  # hybrid models: a conv / recurrent state (fixed size, exact) or nothing
+        return "state, exact (not planned)" if lp.states else "nothing cached"
     storage = f"{lp.storage}" + (f" w{lp.window}" if lp.storage == "sliding" else "") + (
         f" max{lp.max_length}" if lp.storage == "static" else "")
     q = lp.quantize

@@ -121,8 +121,8 @@ def quantize_split(q: QuantizePolicy, seen: int) -> tuple[int, int]:
 
 
 def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) -> Footprint:
-    if model.kv_sharing(lp.index) == "reuse":  # reads another layer's K/V: never updated
-        return Footprint({}, 0)
+    if model.kv_sharing(lp.index) == "reuse" or not lp.attends:  # reuses another layer's K/V, or holds none
+        return Footprint({}, 0)  # (a hybrid model's conv / recurrent states: not planned, see docs/compat.md)
     spec = spec_for(lp)  # what the chain builder builds: the store's kind and geometry
     st, sliding = spec.store, spec.store.kind == "sliding"
     kept = kept_tokens(lp, tokens)
@@ -133,7 +133,9 @@ def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) 
         fp = _fp_bytes(model, i, batch, cap)
         if lp.offload is None:
             return Footprint({"device": fp}, kept)
-        return Footprint({cold: fp}, kept, _fp_bytes(model, i, batch, steady_capacity(cap, kept)))
+        rows = batch * model.kv_shape(i)[0]  # one row (batch 1, one KV head): fetched with room (mirror.plan)
+        floor = cap if st.kind == "static" else 0
+        return Footprint({cold: fp}, kept, _fp_bytes(model, i, batch, steady_capacity(cap, kept, rows, floor)))
     q = lp.quantize
     sinks = min(tokens, spec.quantize.sinks)  # exact, on the device
     packed, residual = quantize_split(q, tokens - sinks)
@@ -153,7 +155,8 @@ def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) 
         held["device"] += store
         return Footprint(held, min(kept, kept_rows * q.group_size + residual), 0, work)
     held[cold] = store
-    mirror = block * steady_capacity(rows, kept_rows) if blocks else 0
+    floor = rows if st.kind == "static" else 0
+    mirror = block * steady_capacity(rows, kept_rows, batch * model.kv_shape(i)[0], floor) if blocks else 0
     return Footprint(held, min(kept, kept_rows * q.group_size + residual), mirror, work)
 
 

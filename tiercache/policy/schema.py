@@ -50,6 +50,8 @@ class QuantizePolicy:
     meta_bits: int | None = None  # each group's scale and offset: None in the model dtype; 8 as one byte each
     # on grids of the block (quantize/metacodes.py): 0.27 bits per element for groups of 64 instead of 0.5 in bf16
     key_gain: float = 1.0  # attention reads the packed keys times this (1.0: as given); no bytes, no cost per step
+    packed_attention: bool = True  # decode steps attend over the packed codes (quantize/packed_kv.py); false:
+    # dequantize into a workspace, then the model's attention (the reference path); not part of the block format
 
     def bits_of(self, which: str) -> int:
         """Bits of ``"keys"`` or ``"values"``: ``key_bits`` / ``value_bits``, else ``bits``."""
@@ -103,9 +105,13 @@ class LayerPolicy:
     quantize: QuantizePolicy | None
     offload: OffloadPolicy | None
     kv_sharing: str | None = None  # the model's: None | "store" (return owned K/V) | "reuse" (never updated)
+    states: int = 0  # conv / recurrent state pairs the layer keeps exact (hybrid and recurrent models)
+    attends: bool = True  # the layer caches attention K/V (False: a state-only or empty layer, storage "none")
 
 
-KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
+# Layers that keep a conv / recurrent state or nothing (tiercache.models.spec): never tiered, never named
+NOT_ATTENTION = ("linear_attention", "conv", "mlp", "moe", "dummy")
 
 
 @dataclass(frozen=True)
@@ -150,16 +156,33 @@ class Policy:
                 raise PolicyError(f"{where}: give exactly one of 'layers' (indices) or 'layer_type', got {to_plain(o)}")
             if o.layers is not None and not o.layers:
                 raise PolicyError(f"{where}.layers: an empty list names no layer; give indices such as [0, -1]")
+            if o.layer_type in NOT_ATTENTION:
+                raise PolicyError(f"{where}.layer_type: {o.layer_type!r} layers are not attention layers: they keep their "
+                                  "state exact on the model's device and no policy tiers them; overrides name attention "
+                                  f"layer types only: {', '.join(KNOWN_LAYER_TYPES)}")
             if o.layer_type is not None and o.layer_type not in KNOWN_LAYER_TYPES:
                 raise PolicyError(f"{where}.layer_type: unknown layer type {o.layer_type!r}; allowed: {', '.join(KNOWN_LAYER_TYPES)}")
 
     def resolve(self, model) -> list[LayerPolicy]:
-        """One LayerPolicy per layer of ``model`` (a ``ModelSpec``), overrides applied in order."""
+        """One LayerPolicy per layer of ``model`` (a ``ModelSpec``), overrides applied in order.
+
+        The sliding-window rule: a quantized sliding layer keeps the newest tokens exact as the
+        KIVI residual does on any layer; one whose window fits in the residual
+        (``window - 1 <= residual_length``: every token it ever holds is among the newest
+        ``residual_length``) is not quantized at all, so after any update all it holds is exact,
+        whatever the prompt length and however the state got there (prefill, decode, retier,
+        ingest, load)."""
         n = model.num_layers
+        attends = [model.attends(i) if hasattr(model, "attends") else True for i in range(n)]
         for i, o in enumerate(self.overrides):
             for idx in o.layers or ():
                 if not -n <= idx < n:
                     raise PolicyError(f"policy.overrides[{i}].layers: index {idx} is out of range for a model with {n} layers; allowed: {-n}..{n - 1}")
+                if not attends[idx % n]:
+                    raise PolicyError(
+                        f"policy.overrides[{i}].layers: layer {idx} is a {model.layer_types[idx % n]!r} layer, not an "
+                        "attention layer: it keeps its state exact and no policy tiers it; name attention layers only: "
+                        f"{[j for j in range(n) if attends[j]]}")
             if o.layer_type is not None and o.layer_type not in model.layer_types:
                 raise PolicyError(
                     f"policy.overrides[{i}].layer_type: {o.layer_type!r} is not a layer type of this model; "
@@ -167,7 +190,13 @@ class Policy:
                 )
         out = []
         for idx, layer_type in enumerate(model.layer_types):
-            sliding = layer_type != "full_attention"
+            window = model.window(idx)
+            states = model.states(idx) if hasattr(model, "states") else 0
+            if not attends[idx]:  # a state-only or empty layer: exact, resident, untouched by the policy
+                out.append(LayerPolicy(idx, layer_type, "none", None, None, None, None, model.kv_sharing(idx),
+                                       states, attends=False))
+                continue
+            sliding = window is not None
             quantize, offload = self.quantize, (None if sliding else self.offload)
             for o in self.overrides:
                 named = o.layer_type == layer_type if o.layer_type is not None else idx in {j % n for j in o.layers}
@@ -177,10 +206,11 @@ class Policy:
                     quantize = o.quantize
                 if o.offload is not UNSET:
                     offload = o.offload
+            if quantize is not None and sliding and window - 1 <= quantize.residual_length:
+                quantize = None  # its whole window is newer than the residual: every token it holds stays exact
             storage = "sliding" if sliding else self.storage
-            window = model.window(idx)
             out.append(LayerPolicy(idx, layer_type, storage, window, self.max_length, quantize, offload,
-                                   model.kv_sharing(idx)))
+                                   model.kv_sharing(idx), states))
         return out
 
 

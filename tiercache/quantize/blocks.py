@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.offload import runtime
 from tiercache.quantize import backends, metacodes
 from tiercache.quantize.codec import CodecSpec, row_layout, token_groups
 
@@ -55,7 +56,7 @@ _SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _shifts(bits: int, count: int, device: torch.device) -> torch.Tensor:
-    key = (bits * 100 + count, device)
+    key = (bits * 100 + count, runtime.device_key(device))
     if key not in _SHIFTS:
         _SHIFTS[key] = (torch.arange(count, dtype=torch.uint8) * bits).to(device)
     return _SHIFTS[key]

@@ -10,6 +10,8 @@ Interface (used by ``Quantize``)
     refuse_non_finite(key, value, describe)   the synchronous check (CPU updates, bulk ingest)
 
 One NaN would poison the scale of a whole quantization group, so the layer refuses them.
+Streams, events and pinned memory come from the device runtime (``tiercache.offload.runtime``:
+CUDA, or the simulated device of the CPU tests).
 - CPU (and any device without streams): ``max |x|`` over the new tokens is read at once (NaN and
   inf propagate); a bad update raises ``CacheError`` (``describe()`` says where) and changes
   nothing, as before.
@@ -33,6 +35,7 @@ import math
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.offload import runtime
 
 
 def _worst(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -55,14 +58,16 @@ class FiniteGuard:
         self.surface()
         if not key.shape[2]:
             return
-        if key.device.type != "cuda":
+        rt = runtime.current()
+        home = rt.device_of(key)
+        if home is None:  # no streams (the CPU): read at once
             refuse_non_finite(key, value, describe)
             return
         worst = _worst(key, value)
-        flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        flag = rt.pinned_empty((), torch.bool)
         flag.copy_(~torch.isfinite(worst), non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(key.device))
+        done = rt.event()
+        done.record(rt.current_stream(home))
         self.flags.append((seen, key.shape[2], flag, done))
 
     def surface(self) -> None:

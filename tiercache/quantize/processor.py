@@ -1,7 +1,9 @@
 """``Quantize``: tokens beyond a full-precision residual are kept as packed blocks (KIVI-style).
 
-    Quantize(inner, codec, residual_length, sink_tokens=0, window=None, max_length=None, shared=None)
-        a KVLayer around ``inner``, like ``Offload(inner)``
+    Quantize(inner, codec, residual_length, sink_tokens=0, window=None, max_length=None, shared=None,
+             packed_attention=False)
+        a KVLayer around ``inner``, like ``Offload(inner)``; ``packed_attention`` (with ``shared``):
+        a decode step returns ``PackedKV`` and attention reads the codes (``quantize/packed_kv.py``)
 
 ``inner`` is the *store* (full / sliding / static, possibly offloaded), built by the chain
 builder from the chain spec's geometry (``tiercache.cache.chainspec``, ``quantize/geometry.py``): a
@@ -77,6 +79,8 @@ reaching into them removes the newest of them; the next tokens refill them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tiercache.errors import CacheError
@@ -89,12 +93,14 @@ from tiercache.quantize.finite import FiniteGuard, describe
 from tiercache.quantize.geometry import flush_split, kept_sinks, static_rows, store_window
 from tiercache.quantize.residual import Residual
 
-__all__ = ["Quantize", "flush_split"]
+__all__ = ["Quantize", "flush_split", "PACKED_QUERIES"]
+
+PACKED_QUERIES = 16  # an update of at most this many tokens is a decode step (packed attention)
 
 
 class Quantize(KVLayer):
     def __init__(self, inner: KVLayer, codec: Codec, residual_length: int, sink_tokens: int = 0,
-                 window: int | None = None, max_length: int | None = None, shared=None):
+                 window: int | None = None, max_length: int | None = None, shared=None, packed_attention: bool = False):
         self.codec = codec
         self.g, self.r, self.sink_tokens = codec.group_size, residual_length, sink_tokens
         self.window, self.limit = window, max_length
@@ -124,6 +130,7 @@ class Quantize(KVLayer):
         self.recorded = 0  # sliding: tokens updated while recording since the last crop (kept past the window)
         self.stored = False  # the store has had an update (knows batch, dtype, device)
         self.finite = FiniteGuard()  # refuses non-finite updates (quantize/finite.py)
+        self.packed_attention = packed_attention and shared is not None  # decode steps return PackedKV
 
     # -- the protocol ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -156,7 +163,11 @@ class Quantize(KVLayer):
             n -= flush // self.g  # blocks packed just now are still in hand at full precision
             if n < blocks[0].shape[2]:
                 blocks = blocks[0].narrow(2, 0, n), blocks[1].narrow(2, 0, n)
-        out = self._assemble(blocks, (key, value), None if self.window is None else self.window - 1 + t)
+        visible = None if self.window is None else self.window - 1 + t
+        if self.packed_attention and blocks is not None and t + sink <= PACKED_QUERIES:
+            out = self._packed(blocks, (key, value), visible)  # a decode step: attention reads the codes
+        else:
+            out = self._assemble(blocks, (key, value), visible)
         rest = flush - taken  # new tokens that stay in the residual start here
         self.residual.replace(taken, key.narrow(2, rest, t - rest), value.narrow(2, rest, t - rest))
         self.seen += t + sink
@@ -264,7 +275,8 @@ class Quantize(KVLayer):
     @property
     def config(self) -> QuantizePolicy:
         """The policy this layer quantizes by (its saved ``config``): the block format, the residual, the sinks."""
-        return self.codec.spec.policy(self.r, self.sink_tokens)
+        return dataclasses.replace(self.codec.spec.policy(self.r, self.sink_tokens),
+                                   packed_attention=self.packed_attention)
 
     def can_adopt(self, other: KVLayer) -> bool:
         """The same block format (codec) and residual rule: ``other``'s packed rows and residual are
@@ -315,20 +327,35 @@ class Quantize(KVLayer):
             return None
         return self.store.kv()  # [B, H, N, row] each, or None
 
-    def _assemble(self, blocks, new, visible: int | None, workspace: bool = True, remember: bool = True):
-        """Dequantized blocks, the residual, then ``new`` tokens (the last ``visible`` of them):
-        one ``[B, H, S, D]`` per K and V, in the shared workspace when there is one
-        (``remember``: let the codecs keep views of the rows for the next step)."""
-        g, s = self.g, self.spec
-        held, fresh = len(self.residual), (0 if new is None else new[0].shape[2])
-        n = 0 if blocks is None else blocks[0].shape[2]
-        skip = 0  # leading tokens not returned (sliding: the window's tail only)
+    def _visible(self, blocks, held: int, fresh: int, visible: int | None):
+        """(blocks, n, skip): the blocks that hold visible tokens, their count, and the leading
+        tokens of the first not returned (sliding: the window's tail only)."""
+        g, n, skip = self.g, 0 if blocks is None else blocks[0].shape[2], 0
         if visible is not None and n * g + held + fresh > visible:
             skip = n * g + held + fresh - visible
             first = min(skip // g, n)
             blocks = None if blocks is None else (blocks[0][:, :, first:], blocks[1][:, :, first:])
             n -= first
             skip -= first * g
+        return blocks, n, skip
+
+    def _packed(self, blocks, new, visible: int | None):
+        """A decode step's ``PackedKV`` pair (``quantize/packed_kv.py``: ``decode_pair``)."""
+        from tiercache.quantize.packed_kv import decode_pair
+
+        return decode_pair(self, blocks, new, visible)
+
+    def _assemble(self, blocks, new, visible: int | None, workspace: bool = True, remember: bool = True,
+                  residual=False):
+        """Dequantized blocks, the residual (``residual``: these tensors, not the held ones), then
+        ``new`` tokens (the last ``visible`` of them): one ``[B, H, S, D]`` per K and V, in the
+        shared workspace when there is one (``remember``: let the codecs keep views of the rows
+        for the next step)."""
+        g, s = self.g, self.spec
+        if residual is False:
+            residual = self.residual.view() if len(self.residual) else None
+        held, fresh = (0 if residual is None else residual[0].shape[2]), (0 if new is None else new[0].shape[2])
+        blocks, n, skip = self._visible(blocks, held, fresh, visible)
         sinks = len(self.sinks)  # 0 on sliding layers, so ``skip`` never reaches them
         size = sinks + n * g + held + fresh - skip
         shapes = [(s.batch, s.heads, size, s.key_dim), (s.batch, s.heads, size, s.value_dim)]  # [B, H, S, D]
@@ -336,7 +363,7 @@ class Quantize(KVLayer):
             outs = self.shared.workspace(shapes, s.dtype, s.device)
         else:
             outs = [torch.empty(shape, dtype=s.dtype, device=s.device) for shape in shapes]
-        res = self.residual.view() if held else None
+        res = residual
         for i, out in enumerate(outs):
             at, lo = sinks, skip
             if sinks:

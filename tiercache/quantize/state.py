@@ -55,6 +55,7 @@ def load_state_dict(q, sd: dict) -> None:
     saved = sd.get("config")
     if isinstance(saved, dict):  # a file from before a field existed held that field's default
         saved = {f.name: f.default for f in dataclasses.fields(q.config)} | saved
+        saved["packed_attention"] = q.packed_attention  # how a step reads the blocks, not their format
     if saved != dataclasses.asdict(q.config):
         raise CacheError(f"state of a quantize layer: block format {sd.get('config')} differs from this layer's "
                          f"{dataclasses.asdict(q.config)}; use retier to change the quantization")

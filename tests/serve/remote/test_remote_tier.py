@@ -13,6 +13,7 @@ import pytest
 import torch
 from redis_proc import start_redis
 
+from tiercache.cache.compat import cache_arg
 from tiercache import TieredCache
 from tiercache.models.load import load_model
 from tiercache.policy.schema import Policy
@@ -43,7 +44,7 @@ def ids_of(n, seed=0):
 def prefill(model, ids, cache=None):
     cache = cache if cache is not None else TieredCache.from_policy(FULL, model.config)
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([ids]), **cache_arg(cache), use_cache=True)
     return cache, out.logits[0, -1]  # [V]
 
 

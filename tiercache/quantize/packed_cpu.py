@@ -1,0 +1,368 @@
+"""The CPU kernels of packed attention: a small C++ extension, built on first use.
+
+    handles(codec, rows, which) -> bool     this kernel has the layout, and it is (or can be) built
+    key_scores(q, codes, scale, offset, codec, out, skip)    writes ``out`` ``[B, H, M, N*G - skip]``
+    value_mix(p, codes, scale, offset, codec, skip) -> [B, H, M, Dv]   ``p`` ``[B, H, M, N*G - skip]``
+    available() -> bool                     the extension is built (building it once if needed)
+
+Layouts: integer codes of 2, 4 or 8 bits (planar, ``blocks.pack``), with an offset; keys per
+channel (scale / offset ``[B, H, N, 1, D]``), values per token (``[B, H, N, G, n, 1]``), any
+metadata dtype (the caller hands float32 scale / offset: views of the rows for float32 models,
+a small conversion otherwise, ``meta_bits: 8`` rebuilt). Everything else goes to the torch
+reference (``packed_attention``). Each packed byte is read once; no float copy of the codes is
+written: the keys kernel forms ``(q * s) . code + q . o`` per block (OpenMP over blocks), the
+values kernel ``sum_t (p_t s_t) code_t`` plus the offset sums (OpenMP over heads and runs of
+blocks, partial sums added in torch).
+
+Built with ``torch.utils.cpp_extension.load_inline`` (g++, ``-O3 -march=native -fopenmp``)
+into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
+about a minute once per machine, then a load. ``TIERCACHE_PACKED_KERNEL=torch`` turns it off;
+a failed build is remembered (one warning) and the torch reference is used.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+NAME = "tiercache_packed_v9"
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+  // eight fixed lanes summed in a fixed order: the same bits wherever the data lies (a vectorizer's
+  // reduction peels for alignment, so its sum order, and its last bit, would follow the addresses)
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[c + l] * b[c + l];
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; c < n; ++c) s += a[c] * b[c];
+  return s;
+}
+
+template <int BITS>
+static inline void unpack_block(const uint8_t* row, float* cf, int64_t G, int64_t D) {
+  // planar codes of one block -> cf [G, D] floats (plane i: tokens [i*G/per, (i+1)*G/per))
+  // centred: code - (2^bits - 1) / 2, the offset taking the rest (o + mid * s): the two terms of a score
+  // or a value then do not cancel, which keeps float32 sums over long contexts as exact as the reference's
+  constexpr int per = 8 / BITS, mask = (1 << BITS) - 1;
+  constexpr float mid = mask * 0.5f;
+  const int64_t tp = G / per;
+  for (int i = 0; i < per; ++i) {
+    const int shift = i * BITS;
+    float* dst = cf + i * tp * D;
+#pragma omp simd
+    for (int64_t e = 0; e < tp * D; ++e) dst[e] = (float)((row[e] >> shift) & mask) - mid;
+  }
+}
+
+template <int BITS>
+static void keys_channel(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& offset,
+                         const torch::Tensor& q, torch::Tensor& out, int64_t G, int64_t skip) {
+  // codes [B, H, N, cb]; scale, offset [B, H, N, D] float; q [B, H, M, D] float;
+  // out [B, H, M, N*G - skip] float (any strides but the last): token n*G + t lands at n*G + t - skip
+  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), M = q.size(2), D = q.size(3);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* op = offset.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  const auto cs = codes.strides(), ss = scale.strides(), os = offset.strides(), rs = out.strides();
+  const int64_t grain = std::max<int64_t>(1, 262144 / (G * D * M));  // a parallel region only for real work
+  constexpr float mid = ((1 << BITS) - 1) * 0.5f;
+  at::parallel_for(0, B * H * N, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qs(M * D), cf(G * D);
+    for (int64_t idx = lo; idx < hi; ++idx) {
+      const int64_t n = idx % N, bh = idx / N, b = bh / H, h = bh % H;
+      const float* s = sp + b * ss[0] + h * ss[1] + n * ss[2];
+      const float* o = op + b * os[0] + h * os[1] + n * os[2];
+      const float* qq = qp + bh * M * D;
+      unpack_block<BITS>(cp + b * cs[0] + h * cs[1] + n * cs[2], cf.data(), G, D);
+      float* dst = outp + b * rs[0] + h * rs[1] + n * G - skip;
+      for (int64_t m = 0; m < M; ++m) {
+        float z = 0.f;
+        float* w = qs.data() + m * D;
+        for (int64_t c = 0; c < D; ++c) {
+          w[c] = qq[m * D + c] * s[c];
+          z += qq[m * D + c] * (o[c] + mid * s[c]);
+        }
+        for (int64_t t = (n == 0 ? skip : 0); t < G; ++t) {
+          dst[m * rs[2] + t] = dot(w, cf.data() + t * D, D) + z;
+        }
+      }
+    }
+  });
+}
+
+template <int BITS>
+static void values_token(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& offset,
+                         const torch::Tensor& p, torch::Tensor& out, int64_t G, int64_t ng, int64_t chunks,
+                         int64_t skip) {
+  // codes [B, H, N, cb]; scale, offset [B, H, N, G*ng] float; out [B, H, C, M, Dv];
+  // p [B, H, M, N*G - skip] float (any strides but the last): the weight of token n*G + t is at n*G + t - skip
+  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), M = p.size(2), Dv = out.size(4);
+  const int64_t gs = Dv / ng;
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* op = offset.data_ptr<float>();
+  const float* pp = p.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  const auto cs = codes.strides(), ss = scale.strides(), os = offset.strides(), ps = p.strides();
+  const int64_t step = (N + chunks - 1) / chunks;
+  constexpr float mid = ((1 << BITS) - 1) * 0.5f;
+  const int64_t grain = std::max<int64_t>(1, 262144 / (step * G * Dv * M));
+  at::parallel_for(0, B * H * chunks, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> osum(M * ng), cf(G * Dv);
+    for (int64_t idx = lo; idx < hi; ++idx) {
+      const int64_t k = idx % chunks, bh = idx / chunks, b = bh / H, h = bh % H;
+      float* acc = outp + idx * M * Dv;
+      std::fill(acc, acc + M * Dv, 0.f);
+      std::fill(osum.begin(), osum.end(), 0.f);
+      const float* pr = pp + b * ps[0] + h * ps[1] - skip;
+      for (int64_t n = k * step; n < std::min(N, (k + 1) * step); ++n) {
+        const float* s = sp + b * ss[0] + h * ss[1] + n * ss[2];
+        const float* o = op + b * os[0] + h * os[1] + n * os[2];
+        unpack_block<BITS>(cp + b * cs[0] + h * cs[1] + n * cs[2], cf.data(), G, Dv);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* pm = pr + m * ps[2] + n * G;
+          float* am = acc + m * Dv;
+          for (int64_t t = (n == 0 ? skip : 0); t < G; ++t) {
+            const float* x = cf.data() + t * Dv;
+            for (int64_t j = 0; j < ng; ++j) {
+              const float ws = pm[t] * s[t * ng + j];
+              osum[m * ng + j] += pm[t] * (o[t * ng + j] + mid * s[t * ng + j]);
+              float* a = am + j * gs;
+              const float* xj = x + j * gs;
+#pragma omp simd
+              for (int64_t c = 0; c < gs; ++c) a[c] += ws * xj[c];
+            }
+          }
+        }
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < ng; ++j)
+          for (int64_t c = 0; c < gs; ++c) acc[m * Dv + j * gs + c] += osum[m * ng + j];
+    }
+  });
+}
+
+static inline float exp_simd(float x) {
+  // expf to about 1 ulp (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, scaled by 2^n by adding
+  // n to the exponent bits) in plain arithmetic, so a loop over it vectorizes (glibc's expf does not);
+  // -inf and anything below -87.3 give 0
+  const float y = std::max(x, -87.3f);
+  const float n = std::nearbyint(y * 1.44269504088896341f);
+  const float r = (y - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += (int32_t)n << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return x < -87.3f ? 0.f : out;
+}
+
+static std::vector<float>& scratch(size_t n) {
+  static thread_local std::vector<float> buf;  // reused: a fresh mapping per call page-faults more than it computes
+  if (buf.size() < n) buf.resize(n);
+  return buf;
+}
+
+torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch::Tensor ko, torch::Tensor vc,
+                     torch::Tensor vs, torch::Tensor vo, std::vector<torch::Tensor> ek, std::vector<torch::Tensor> ev,
+                     int64_t at_blocks, int64_t skip, int64_t kbits, int64_t vbits, int64_t G, int64_t ng,
+                     int64_t dv, int64_t chunks, c10::optional<torch::Tensor> mask) {
+  // q [B, H, M, D] float (scaled); packed keys / values as key_scores / value_mix take them; exact segments
+  // ek / ev [B, H, n_i, D] float (unit last stride), the blocks between segment at_blocks - 1 and at_blocks;
+  // mask [B, H, M, S] float contiguous (added) or none. Returns [B, H, M, dv]: one softmax over every column.
+  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3), N = kc.size(2);
+  const int64_t nb = N * G - skip;
+  std::vector<int64_t> start(ek.size());
+  int64_t S = 0, bstart = 0;
+  for (size_t i = 0; i <= ek.size(); ++i) {
+    if ((int64_t)i == at_blocks) { bstart = S; S += nb; }
+    if (i < ek.size()) { start[i] = S; S += ek[i].size(2); }
+  }
+  std::vector<float>& buf = scratch(B * H * M * S);
+  auto fopt = torch::TensorOptions().dtype(torch::kFloat32);
+  auto sc = torch::from_blob(buf.data(), {B, H, M, S}, fopt);
+  auto kpart = torch::from_blob(buf.data() + bstart, {B, H, M, nb}, {H * M * S, M * S, S, 1}, fopt);
+  if (kbits == 2) keys_channel<2>(kc, ks, ko, q, kpart, G, skip);
+  else if (kbits == 4) keys_channel<4>(kc, ks, ko, q, kpart, G, skip);
+  else keys_channel<8>(kc, ks, ko, q, kpart, G, skip);
+  const float* qp = q.data_ptr<float>();
+  const float* mp = mask.has_value() ? mask->data_ptr<float>() : nullptr;
+  float* bp = buf.data();
+  const int64_t rows_grain = std::max<int64_t>(1, 262144 / (M * S));  // few columns: no parallel region
+  at::parallel_for(0, B * H, rows_grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      for (size_t i = 0; i < ek.size(); ++i) {
+        const float* kp = ek[i].data_ptr<float>() + b * ek[i].stride(0) + h * ek[i].stride(1);
+        const int64_t n = ek[i].size(2), st = ek[i].stride(2);
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t m = 0; m < M; ++m) {
+            const float* qq = qp + (bh * M + m) * D;
+            bp[(bh * M + m) * S + start[i] + j] = dot(qq, kp + j * st, D);
+          }
+      }
+      for (int64_t m = 0; m < M; ++m) {  // the softmax, over every column at once
+        float* row = bp + (bh * M + m) * S;
+        if (mp) {
+          const float* mr = mp + (bh * M + m) * S;
+          for (int64_t j = 0; j < S; ++j) row[j] += mr[j];
+        }
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < S; ++j) mx = std::max(mx, row[j]);
+#pragma omp simd
+        for (int64_t j = 0; j < S; ++j) row[j] = exp_simd(row[j] - mx);
+        float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // fixed order, as dot()
+        int64_t j = 0;
+        for (; j + 8 <= S; j += 8)
+          for (int l = 0; l < 8; ++l) lanes[l] += row[j + l];
+        float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+        for (; j < S; ++j) sum += row[j];
+        const float inv = 1.f / sum;
+        for (int64_t j = 0; j < S; ++j) row[j] *= inv;
+      }
+    }
+  });
+  auto wpart = torch::from_blob(buf.data() + bstart, {B, H, M, nb}, {H * M * S, M * S, S, 1}, fopt);
+  auto part = torch::empty({B, H, chunks, M, dv}, fopt);
+  if (vbits == 2) values_token<2>(vc, vs, vo, wpart, part, G, ng, chunks, skip);
+  else if (vbits == 4) values_token<4>(vc, vs, vo, wpart, part, G, ng, chunks, skip);
+  else values_token<8>(vc, vs, vo, wpart, part, G, ng, chunks, skip);
+  auto out = torch::empty({B, H, M, dv}, fopt);
+  float* op = out.data_ptr<float>();
+  const float* pp = part.data_ptr<float>();
+  at::parallel_for(0, B * H, rows_grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      float* o = op + bh * M * dv;
+      for (int64_t e = 0; e < M * dv; ++e) {
+        float a = 0.f;
+        for (int64_t k = 0; k < chunks; ++k) a += pp[(bh * chunks + k) * M * dv + e];
+        o[e] = a;
+      }
+      for (size_t i = 0; i < ev.size(); ++i) {
+        const float* vp = ev[i].data_ptr<float>() + b * ev[i].stride(0) + h * ev[i].stride(1);
+        const int64_t n = ev[i].size(2), st = ev[i].stride(2);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* w = bp + (bh * M + m) * S + start[i];
+          float* om = o + m * dv;
+          for (int64_t j = 0; j < n; ++j) {
+            const float* vv = vp + j * st;
+            const float wj = w[j];
+#pragma omp simd
+            for (int64_t c = 0; c < dv; ++c) om[c] += wj * vv[c];
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+void key_scores(torch::Tensor codes, torch::Tensor scale, torch::Tensor offset, torch::Tensor q, torch::Tensor out,
+                int64_t bits, int64_t G, int64_t skip) {
+  if (bits == 2) keys_channel<2>(codes, scale, offset, q, out, G, skip);
+  else if (bits == 4) keys_channel<4>(codes, scale, offset, q, out, G, skip);
+  else keys_channel<8>(codes, scale, offset, q, out, G, skip);
+}
+
+torch::Tensor value_mix(torch::Tensor codes, torch::Tensor scale, torch::Tensor offset, torch::Tensor p,
+                        int64_t bits, int64_t G, int64_t ng, int64_t dv, int64_t chunks, int64_t skip) {
+  auto out = torch::empty({p.size(0), p.size(1), chunks, p.size(2), dv}, p.options());
+  if (bits == 2) values_token<2>(codes, scale, offset, p, out, G, ng, chunks, skip);
+  else if (bits == 4) values_token<4>(codes, scale, offset, p, out, G, ng, chunks, skip);
+  else values_token<8>(codes, scale, offset, p, out, G, ng, chunks, skip);
+  return out.sum(2);
+}
+"""
+
+_STATE: dict = {}
+
+
+def available() -> bool:
+    """The extension, built (once per machine) and loaded (once per process); False if it cannot be."""
+    if "module" not in _STATE:
+        _STATE["module"] = None
+        if os.environ.get("TIERCACHE_PACKED_KERNEL", "") != "torch":
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                _STATE["module"] = load_inline(NAME, cpp_sources=SOURCE, functions=["key_scores", "value_mix", "attend"],
+                                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                                               extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as e:  # no compiler, no ninja: the torch reference serves
+                warnings.warn(f"tiercache: the packed-attention CPU kernel could not be built ({type(e).__name__}: "
+                              f"{e}); using the pure-torch path", stacklevel=2)
+    return _STATE["module"] is not None
+
+
+def handles(codec, rows: torch.Tensor, which: str) -> bool:
+    backend = codec.backend
+    axis = "channel" if which == "keys" else "token"
+    return (rows.device.type == "cpu" and backend.has_offset and backend.bits in (2, 4, 8)
+            and codec.axis == axis and codec.g % (8 // backend.bits) == 0 and available())
+
+
+def _chunks(b: int, h: int, n: int, g: int) -> int:
+    """Runs of blocks per head the values kernel splits into: one unless the context is long
+    enough (16k tokens x heads a run) for threads to pay for their start and join."""
+    threads = torch.get_num_threads()
+    if threads == 1 or b * h * n * g < 16384 * 2:
+        return 1
+    return max(1, min(n, -(-2 * threads // (b * h)), b * h * n * g // 16384))
+
+
+def _meta(t: torch.Tensor, shape) -> torch.Tensor:
+    t = t.reshape(shape)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def key_scores(q, codes, scale, offset, codec, out: torch.Tensor, skip: int) -> None:
+    """Writes ``out`` ``[B, H, M, N*G - skip]`` (a view with unit last stride is fine)."""
+    b, h, n, _ = codes.shape
+    shape = (b, h, n, codec.d)
+    _STATE["module"].key_scores(codes, _meta(scale, shape), _meta(offset, shape), q.contiguous(), out,
+                                codec.backend.bits, codec.g, skip)
+
+
+def value_mix(p, codes, scale, offset, codec, skip: int) -> torch.Tensor:
+    """``p`` ``[B, H, M, N*G - skip]`` (a view with unit last stride is fine) -> ``[B, H, M, Dv]``."""
+    b, h, n, _ = codes.shape
+    ng = codec.shape[1]
+    shape = (b, h, n, codec.g * ng)
+    chunks = _chunks(b, h, n, codec.g)
+    return _STATE["module"].value_mix(codes, _meta(scale, shape), _meta(offset, shape), p, codec.backend.bits,
+                                      codec.g, ng, codec.d, chunks, skip)
+
+
+def attend(q, keys, values, exact, at_blocks: int, skip: int, mask) -> torch.Tensor:
+    """The whole decode attention in one call: ``keys`` / ``values`` ``(codes, scale, offset, codec)``
+    of the packed blocks, ``exact`` the exact segments ``[(k, v)]`` float32 in token order with the
+    blocks before ``exact[at_blocks]``, ``mask`` None or float32 ``[B, H, M, S]``: ``[B, H, M, Dv]``."""
+    (kc, ks, ko, kcodec), (vc, vs, vo, vcodec) = keys, values
+    b, h, n, _ = kc.shape
+    ng = vcodec.shape[1]
+    chunks = _chunks(b, h, n, kcodec.g)
+    kshape, vshape = (b, h, n, kcodec.d), (b, h, n, vcodec.g * ng)
+    return _STATE["module"].attend(q.contiguous(), kc, _meta(ks, kshape), _meta(ko, kshape), vc, _meta(vs, vshape),
+                                   _meta(vo, vshape), [k for k, _ in exact], [v for _, v in exact], at_blocks, skip,
+                                   kcodec.backend.bits, vcodec.backend.bits, kcodec.g, ng, vcodec.d, chunks, mask)
