@@ -120,11 +120,13 @@ def describe(layer) -> str:
 
 
 def _grid() -> list[Chain]:
-    chains = [Chain(s, q, o, window=3 if i % 2 else 5)
+    # windows longer than residual + 1, so that sliding layers are quantized (a window that fits in the
+    # residual is kept exact: the sliding-layer rule of Policy.resolve)
+    chains = [Chain(s, q, o, window=7 if i % 2 else 8)
               for i, (s, q, o) in enumerate((s, q, o) for s in STORAGES for q in QUANTIZE for o in OFFLOAD)]
-    chains += [Chain("full", "int4-g4-r4", "host-p1", window=2, dtype=torch.bfloat16),
+    chains += [Chain("full", "int4-g4-r4", "host-p1", window=7, dtype=torch.bfloat16),
                Chain("full", "fp", "disk-p1", window=2, dtype=torch.bfloat16),
-               Chain("full", "int2-g2-r0-tok", "resident", window=1)]
+               Chain("full", "int2-g2-r0-tok", "resident", window=2)]
     return chains
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from tiercache.cache.compat import cache_arg
 from tiercache.models.load import load_model
 from tiercache.policy.schema import load_policy
 from tiercache.serve.chat import Codec
@@ -182,7 +183,7 @@ def alone(model, codec, req, ids, choice):
     x = torch.tensor([ids])
     with torch.no_grad():
         for _ in range(req.max_tokens):
-            logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]  # [V]
+            logits = model(input_ids=x, **cache_arg(cache), use_cache=True).logits[0, -1]  # [V]
             token = sampler.pick(logits)
             out.append(token)
             if token in codec.eos_ids:
