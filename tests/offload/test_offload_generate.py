@@ -108,7 +108,7 @@ def test_offload_stats_count_the_bus_traffic():
     spec = ModelSpec("stats", 3, ("full_attention",) * 3, kv_heads=2, head_dim=8, dtype="float32")
     res = tiercache.TieredCache.from_policy(RESIDENT, spec)
     off = tiercache.TieredCache.from_policy({"name": "host", **POLICIES["cpu"]}, spec)
-    zeros = {"bytes_h2d": 0, "bytes_d2h": 0, "fetches": 0, "side_fetches": 0, "host_waits": 0}
+    zeros = {"bytes_h2d": 0, "bytes_d2h": 0, "fetches": 0, "side_fetches": 0, "host_waits": 0, "skipped_fetches": 0}
     assert res.offload_stats() == zeros and off.offload_stats() == zeros
     g, sent = torch.Generator().manual_seed(0), 0
     for t in (10, 1):

@@ -97,13 +97,14 @@ def sweep(chain: Chain, path: str, inject, fault: OneShot, message: str) -> bool
             assert_update(out, ref.update(k, v), ref.out_length())
             ref.sync_packed()
     fault.armed = False
+    skipped = cache.offload_stats().get("skipped_fetches", 0)  # a fetch ahead that failed is skipped, by design
     for i, ref in enumerate(refs):
         ref.check_held(cache.layers[i].kv())
     if chain.on_disk:
         assert_no_stray_files(cache, path)
     cache.close()
     assert files_under(path) == []
-    assert failed or not fault.fired, "the fault fired but no update reported it"
+    assert failed or skipped or not fault.fired, "the fault fired but no update reported it nor a fetch ahead skipped it"
     return fault.fired
 
 

@@ -54,7 +54,8 @@ copies poison, which nothing reads.
 Counters (``stats()``; ``TieredCache.offload_stats()``): ``bytes_h2d`` (host -> device,
 fetches: the bytes copied, including the free slack between rows that a one-span copy carries), ``bytes_d2h`` (new tokens written back), ``fetches`` and ``side_fetches`` (those
 enqueued on a side stream), ``host_waits`` (times an offloaded layer had to block on a
-write-back that had not landed yet: 0 in steady decoding).
+write-back that had not landed yet: 0 in steady decoding), ``skipped_fetches`` (fetches ahead that
+could not get device memory and were skipped: that layer is fetched, or reports, when used).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from tiercache.offload.mirror import Mirror, layout_bytes, mirror_capacity, plan
 from tiercache.layers.tiers import place_of
 
 ALIGN = 2 << 20  # slot bytes grow in 2 MiB steps
-COUNTERS = ("bytes_h2d", "bytes_d2h", "fetches", "side_fetches", "host_waits")
+COUNTERS = ("bytes_h2d", "bytes_d2h", "fetches", "side_fetches", "host_waits", "skipped_fetches")
 
 
 class Slot:
@@ -112,6 +113,7 @@ class Prefetcher:
         self.bytes_d2h = 0
         self.fetches = 0
         self.side_fetches = 0
+        self.skipped_fetches = 0
         self.host_waits = 0
 
     # -- registry ---------------------------------------------------------------------------
@@ -147,6 +149,7 @@ class Prefetcher:
                 try:
                     self._fetch(nxt, 1)
                 except CacheError:
+                    self.skipped_fetches += 1
                     break  # fetching ahead is optional: that layer is fetched (or reports) when used
         return mirror
 
@@ -160,7 +163,7 @@ class Prefetcher:
             try:
                 self._fetch(layer, 1)
             except CacheError:
-                pass  # optional, as above
+                self.skipped_fetches += 1  # optional, as above
 
     def evict(self, layer) -> None:
         """Forget the layer's mirror (no wait: see "Safety")."""
