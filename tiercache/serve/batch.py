@@ -37,13 +37,13 @@ Numerics: at full precision each row's logits match its run alone within float32
 
 from __future__ import annotations
 
-import functools
-import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from tiercache.cache.compat import cache_arg
 
 NAME = "tiercache_packed"
 
@@ -168,12 +168,6 @@ def _implementation(model):
         config._attn_implementation = before
 
 
-@functools.lru_cache(maxsize=None)
-def _cache_argument(model_class) -> str:
-    """``cache`` (recent transformers 5.x) or ``past_key_values`` (earlier): what this class's forward takes."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
 def run_rows(model, rows: list[Row]) -> Output:
     """One forward of ``model`` over ``rows`` (each ``ids`` non-empty), each against its own cache."""
     if not rows or any(not row.ids for row in rows):
@@ -195,6 +189,6 @@ def run_rows(model, rows: list[Row]) -> Output:
     logits_to_keep = torch.tensor(keep or [len(ids) - 1], dtype=torch.long, device=device)  # [R]
     with torch.no_grad(), _implementation(model):
         out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=logits_to_keep,
-                    tiercache_rows=batch, **{_cache_argument(type(model)): batch})
+                    tiercache_rows=batch, **cache_arg(batch))
     logits = out.logits[0].float() if keep else out.logits[0, :0].float()  # [R, V]
     return Output(logits, batch.failed)
