@@ -146,9 +146,9 @@ class Policy:
             raise PolicyError("policy.max_length: storage 'static' needs max_length (tokens to preallocate), got null")
         if self.auto and (self.budget is None or self.budget.device is None):
             raise PolicyError("policy.budget.device: auto: true needs a device budget to fit, got none")
-        for i, q in _quantize_sections(self):
+        for i, q in _sections(self, "quantize"):
             _check_quantize(q, i)
-        for i, o in _offload_sections(self):
+        for i, o in _sections(self, "offload"):
             _check_offload(o, i)
         for i, o in enumerate(self.overrides):
             where = f"policy.overrides[{i}]"
@@ -276,24 +276,15 @@ def _merge_override_quantize(data: dict) -> dict:
     return {**data, "overrides": merged}
 
 
-def _quantize_sections(p: Policy):
-    if p.quantize is not None:
-        yield "policy.quantize", p.quantize
+def _sections(p: Policy, field: str):
+    """Every ``field`` section ("quantize" / "offload") of a policy, with where it is written."""
+    if getattr(p, field) is not None:
+        yield f"policy.{field}", getattr(p, field)
     for i, o in enumerate(p.overrides):
-        if o.quantize not in (None, UNSET):
-            yield f"policy.overrides[{i}].quantize", o.quantize
-    if p.cross_attention is not None and p.cross_attention.quantize is not None:
-        yield "policy.cross_attention.quantize", p.cross_attention.quantize
-
-
-def _offload_sections(p: Policy):
-    if p.offload is not None:
-        yield "policy.offload", p.offload
-    for i, o in enumerate(p.overrides):
-        if o.offload not in (None, UNSET):
-            yield f"policy.overrides[{i}].offload", o.offload
-    if p.cross_attention is not None and p.cross_attention.offload is not None:
-        yield "policy.cross_attention.offload", p.cross_attention.offload
+        if getattr(o, field) not in (None, UNSET):
+            yield f"policy.overrides[{i}].{field}", getattr(o, field)
+    if p.cross_attention is not None and getattr(p.cross_attention, field) is not None:
+        yield f"policy.cross_attention.{field}", getattr(p.cross_attention, field)
 
 
 def _check_quantize(q: QuantizePolicy, where: str) -> None:
