@@ -1,6 +1,7 @@
 """The CUDA kernel of packed attention: Triton, split-K over the packed blocks (flash-decoding).
 
-    available() -> bool                     triton imports (the kernel is compiled on first launch)
+    available() -> bool                     triton imports and ``TIERCACHE_PACKED_KERNEL`` is not ``torch``
+                                            (the kernel is compiled on its first launch)
     handles(codec, rows, which) -> bool     this kernel has the layout and the device
     attend(q, keys, values, exact, at_blocks, skip, mask, splits=None) -> [B, H, M, Dv]
         ``packed_cpu.attend``'s interface: ``q`` ``[B, H, M, D]`` float32 (softmax scale applied,
@@ -22,6 +23,9 @@ merges them with the exact parts (sinks, residual, new tokens) under one softmax
 flash-decoding's reduce. The per-block scales and offsets are made float32 and contiguous in
 torch first (a few bytes per block: ``meta_bits: 8`` is rebuilt there, small), and the mask, if
 any, is read per token. Split boundaries are token positions: a split may end inside a block.
+
+Selection: ``packed_attention._fast(device)`` picks this module for CUDA tensors when
+``available()``; ``handles`` then says per layout, the torch reference taking the rest.
 
 Layouts: integer codes of 2, 4 or 8 bits with an offset, keys and values each per channel or
 per token, any metadata dtype, ``meta_bits: 8``, ``key_gain`` (in the scale and offset), sinks,
