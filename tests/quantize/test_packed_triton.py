@@ -87,6 +87,35 @@ def test_imports_without_triton():
     assert run.returncode == 0, run.stderr[-3000:]
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the `triton` extra)")
+@pytest.mark.parametrize("arch", [80, 90])
+def test_compiles_for_a_gpu_within_its_shared_memory(arch):
+    """What the interpreter cannot check: the kernel compiles for sm_80 / sm_90 (ptxas included,
+    no GPU needed), every branch (keys and values each per channel or per token, 2/4/8 bits, a
+    mask or none) at an 8B model's shape, with the launch options ``attend`` uses, and its shared
+    memory fits the smallest of those GPUs' per-block limits (99 KB: sm_86) with room to spare."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    kernel = packed_triton._split_kernel
+    if not hasattr(kernel, "arg_names"):
+        pytest.skip("TRITON_INTERPRET is set in this process: nothing to compile")
+    pointers = {"kc_ptr": "*u8", "vc_ptr": "*u8"}
+    for kch, vch, kbits, vbits, mask in ((True, False, 4, 4, True), (False, True, 2, 8, False)):
+        const = dict(G=64, DK=128, DV=128, K_BITS=kbits, V_BITS=vbits, K_NG=1 if kch else 2, V_NG=1 if vch else 2,
+                     K_CHANNEL=kch, V_CHANNEL=vch, HAS_MASK=mask, BLOCK_M=16, BLOCK_T=64, BLOCK_DK=128,
+                     BLOCK_DV=128)
+        sig = {n: "constexpr" if n in const else pointers.get(n, "*fp32" if n.endswith(("_ptr", "_out")) else "i32")
+               for n in kernel.arg_names}
+        try:
+            src = triton.compiler.ASTSource(fn=kernel, signature=sig,
+                                            constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
+        except TypeError as e:  # another triton's ahead-of-time API
+            pytest.skip(f"this triton's ASTSource differs: {e}")
+        out = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(packed_triton.LAUNCH))
+        assert "cubin" in out.asm and out.metadata.shared <= 64 * 1024, out.metadata.shared
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the `triton` extra)")
