@@ -148,3 +148,25 @@ def test_other_head_dims(calls):
     for splits in (1, 4):
         calls["splits"] = splits
         check(torch.randn(B, H, 1, 48), k, v, calls)
+
+
+@pytest.mark.parametrize("form", [LAYOUTS[0], LAYOUTS[7]])
+def test_bf16_model(form, calls, monkeypatch):
+    """bf16 K/V (the scales and offsets in bf16 on the rows): from the same codes, the Triton kernel
+    and the CPU path (the C++ kernel or the torch reference) agree in float32 (a float32 query)."""
+    lay = layer(dict(form, sink_tokens=2))
+    k0, v0 = tokens(90, 8)
+    lay.append(k0.bfloat16(), v0.bfloat16())
+    k, v = lay.append(*(t.bfloat16() for t in tokens(1, 9)))
+    query = torch.randn(B, 2 * H, 1, D)
+    got = []
+    for splits in (1, 3):
+        calls["splits"] = splits
+        got.append(packed_attention.attend(query, k.pair.packed))
+    assert calls["n"] == 2
+    monkeypatch.undo()  # the ``calls`` fixture's patch too: the device's own choice again, the CPU kernel
+    want = packed_attention.attend(query, k.pair.packed)
+    for out in got:
+        torch.testing.assert_close(out, want, rtol=0, atol=TOL)
+    ref = F.scaled_dot_product_attention(query, k.plain().float(), v.plain().float(), enable_gqa=True)
+    torch.testing.assert_close(want, ref, rtol=0, atol=2e-2)  # the reference rounds K/V to bf16

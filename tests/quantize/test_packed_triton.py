@@ -4,7 +4,7 @@ The kernel's exactness runs on the CPU under the Triton interpreter: ``interpret
 in a fresh process with ``TRITON_INTERPRET=1`` (set before triton is imported there, so this
 process and the rest of the suite never see it): 11 integer layouts x full / static / sliding x
 split counts (one, boundaries inside blocks, a short last split, more splits than blocks, the
-default), GQA, sinks, ``key_gain``, masks, several queries, odd head dims; within 1e-5 of
+default), GQA, sinks, ``key_gain``, masks, several queries, odd head dims, bf16; within 1e-5 of
 dequantize-then-SDPA. Here: that run, the selection, and the import without triton.
 """
 
@@ -37,7 +37,7 @@ def test_kernel_under_the_interpreter():
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     passed = re.search(r"(\d+) passed", out)
-    assert passed and int(passed.group(1)) >= 40 and "skipped" not in out, out[-3000:]
+    assert passed and int(passed.group(1)) >= 42 and "skipped" not in out, out[-3000:]
 
 
 def test_selection_by_device(monkeypatch):
