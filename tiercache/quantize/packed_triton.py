@@ -180,8 +180,8 @@ def _pow2(x: int) -> int:
 
 
 def _default_splits(bh: int, n_vis: int, g: int, device: torch.device) -> int:
-    """Enough programs for a few waves over the GPU's SMs; each split a whole number of blocks,
-    at least four (the tile per step is a block)."""
+    """About two programs per SM over the GPU (four SMs assumed elsewhere), each split at least
+    four blocks (a program's step is one block); the caller rounds splits to whole blocks."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(_cdiv(2 * sms, bh), _cdiv(n_vis, 4 * g)))
 
@@ -199,15 +199,14 @@ def attend(q, keys, values, exact, at_blocks: int, skip: int, mask, splits: int 
         chunk = _cdiv(n_vis, splits)  # a boundary may fall inside a block
     splits = _cdiv(n_vis, chunk)  # [lo, hi) = [i * chunk, min((i + 1) * chunk, n_vis)): none empty
     before = sum(k.shape[2] for k, _ in exact[:at_blocks])  # the packed tokens' first column in the mask
-    part = None if mask is None else mask[..., before : before + n_vis]  # [B, H, M, n_vis]
-    m_p = torch.empty((b, h, splits, m), dtype=torch.float32, device=q.device)
-    l_p = torch.empty_like(m_p)
-    acc_p = torch.empty((b, h, splits, m, dv), dtype=torch.float32, device=q.device)
-    mk = part if part is not None else m_p
-    mk_strides = part.stride()[:3] if part is not None else (0, 0, 0)
-    if part is not None and part.stride(-1) != 1:
-        part = part.contiguous()
-        mk, mk_strides = part, part.stride()[:3]
+    m_p = torch.empty((b, h, splits, m), dtype=torch.float32, device=q.device)  # [B, H, S, M] each split's max
+    l_p = torch.empty_like(m_p)  # its sum of exp(score - max)
+    acc_p = torch.empty((b, h, splits, m, dv), dtype=torch.float32, device=q.device)  # its weighted values
+    part = None
+    if mask is not None:
+        part = mask[..., before : before + n_vis]  # [B, H, M, n_vis]: the packed tokens' columns
+        part = part if part.stride(-1) == 1 else part.contiguous()
+    mk, mk_strides = (m_p, (0, 0, 0)) if part is None else (part, part.stride()[:3])
     _split_kernel[(b * h, splits)](
         q, kc, ks, ko, vc, vs, vo, mk, m_p, l_p, acc_p,
         h, m, n, n_vis, skip, chunk, splits,
