@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq,real,docs,clients,remote]"
+	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq,real,docs,clients,remote,triton]"
 	# the newest transformers the pin allows, also in a venv that had an older one (issue 31: the `cache` keyword)
 	$(PY) -m pip install -q --upgrade "$$(grep -o '"transformers[^"]*"' pyproject.toml | head -1 | tr -d '"')"
 	$(MAKE) --no-print-directory redis-server

@@ -44,3 +44,5 @@ echo "== planned vs max_memory_allocated (bench_memory.py --device cuda, 32k)"
 echo "== offload benchmark on the GPU"
 "$PYTHON" bench/bench_offload.py --device cuda --layers 32 --kv-heads 8 --head-dim 128 --hidden 1024 \
   --context 32768 | tee "$OUT/offload.md"
+echo "== packed attention: the Triton kernel vs dequantize-then-SDPA and DynamicCache (1k-32k)"
+"$PYTHON" bench/bench_packed_triton.py --json "$OUT/packed-triton.json" | tee "$OUT/packed-triton.md"

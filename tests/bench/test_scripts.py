@@ -23,6 +23,10 @@ SCRIPTS = [
                                      "--kv-heads", "2", "--intermediate", "128", "--vocab", "256",
                                      "--policies", "default,tiered-int4-offload", "--out", "."],
                  ["| default | 300 |", "| tiered-int4-offload |", "runtime baseline", "wrote"], id="memory"),
+    pytest.param("bench_packed_triton.py", ["--dry-run"],  # the Triton interpreter on the CPU: the script runs
+                 ["| 64 | attn | ", "| 96 | step | ", "largest |Triton - dequantize-then-SDPA|"], id="packed-triton",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                          reason="the triton extra")),
     pytest.param("bench_serve.py", ["--conversations", "1", "--turns", "2", "--history", "200", "--max-tokens", "3",
                                     "--out", "out"],
                  ["| TTFT store (ms) |", "| 2 |", "answers identical in every turn: True", "bench_serve.png"], id="serve"),

@@ -25,7 +25,8 @@ in the keys' scale and offset already (``blocks.BlockCodec``); fp8 has no offset
 ``meta_bits: 8`` rebuilds the scale and offset per group first (``metacodes.rebuild``: small).
 
 Kernels. ``key_scores`` / ``value_mix`` here are pure torch over all blocks at once: the
-reference, any layout (int2/4/8, fp8, either axis, meta8). ``packed_cpu`` is a small C++
+reference, any layout (int2/4/8, fp8, either axis, meta8). On CUDA, ``packed_triton`` (a
+Triton split-K kernel, when triton imports) takes integer codes of any axis. ``packed_cpu`` is a small C++
 extension (built on first use, cached by torch) for the common CPU layouts (integer codes, keys
 per channel, values per token): it reads each packed byte once and never writes the codes out
 as floats. Where it is missing (no compiler, ``TIERCACHE_PACKED_KERNEL=torch``, another layout
@@ -125,7 +126,15 @@ def value_mix_torch(p: torch.Tensor, rows: torch.Tensor, codec) -> torch.Tensor:
     return out.reshape(b, h, m, ng * g)
 
 
-def _fast():
+def _fast(device: torch.device | None = None):
+    """The whole-attention kernel for ``device`` (the one place it is chosen): Triton on CUDA
+    where it imports (``packed_triton``), else the C++ CPU one (``packed_cpu``); each says by
+    ``handles`` which layouts it takes, and the torch reference does the rest."""
+    if device is not None and device.type == "cuda":
+        from tiercache.quantize import packed_triton
+
+        if packed_triton.available():
+            return packed_triton
     from tiercache.quantize import packed_cpu
 
     return packed_cpu
@@ -179,7 +188,7 @@ def attend(query: torch.Tensor, packed: Packed, mask: torch.Tensor | None = None
     rep = hq // hkv
     scale = d**-0.5 if scale is None else scale
     q = (query.float() * scale).reshape(b, hkv, rep * length, d)  # [B, Hkv, M, D], heads grouped as repeat_kv
-    fast = _fast()
+    fast = _fast(query.device)
     if packed.blocks is not None and all(fast.handles(c, r, w) for c, r, w in zip(packed.codecs, packed.blocks,
                                                                                      ("keys", "values"))):
         exact = [(seg[0].float(), seg[1].float()) for seg in segments if seg is not None]
@@ -187,7 +196,7 @@ def attend(query: torch.Tensor, packed: Packed, mask: torch.Tensor | None = None
         s_len = packed.length
         if mask is not None:
             mask = mask.expand(b, hq, length, s_len).reshape(b, hkv, rep * length, s_len)
-            mask = (torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool
+            mask = (torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool
                     else mask.float().contiguous())
         parts = [(*_parts(r.to(query.device), c), c) for r, c in zip(packed.blocks, packed.codecs)]
         out = fast.attend(q, parts[0], parts[1], exact, at_blocks, packed.skip, mask)  # [B, Hkv, M, Dv]
