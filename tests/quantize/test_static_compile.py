@@ -105,7 +105,7 @@ def test_inductor_tokens_match_dynamic():
     ref = dynamic_generate(model, ids, q, 30)
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.logits, ref.logits):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)  # inductor may reassociate float sums
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # measured 3.8e-6 (inductor fuses the dequantize)
 
 
 def test_full_precision_static_layers_compile_once_too():

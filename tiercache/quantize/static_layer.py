@@ -189,8 +189,8 @@ class StaticQuantized(KVLayer):
     def crop(self, n: int) -> None:
         held = self.seq_length()
         n = check_crop(n, held)
-        if n >= held:
-            self.position.zero_() if self.position is not None else None
+        if n and n >= held:
+            self.position.zero_()
         elif n > held % self.r:
             raise CacheError(f"static quantized layer: crop({n}) reaches into packed blocks (only the newest "
                              f"{held % self.r} tokens, the residual, can be cropped)")
