@@ -199,3 +199,23 @@ def test_a_compiled_step_past_max_length_is_surfaced():
         model.generate(ids, **cache_arg(cache), max_new_tokens=8, do_sample=False, compile_config=cc)
     with pytest.raises(CacheError, match="ran past max_length=24"):
         cache.get_seq_length()
+
+
+def test_a_reset_cache_and_a_fresh_one_reuse_the_graph():
+    model, tok = load_model("tiny")
+    q = QUANT[0].values[0]
+    ids = eval_ids(tok, 50)[None]
+    backend = Counting()
+    cc = CompileConfig(fullgraph=True, backend=backend, dynamic=False)
+    cc._compile_all_devices = True
+    torch._dynamo.reset()
+    cache = CompileableCache.from_policy(static_policy(q, 128), model.config)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        for prompt_ids, c in ((ids, cache), (ids[:, :30], "reset"), (ids, "fresh")):
+            if c == "reset":
+                cache.reset()
+            elif c == "fresh":
+                cache = CompileableCache.from_policy(static_policy(q, 128), model.config)
+            got = model.generate(prompt_ids, **cache_arg(cache), max_new_tokens=10, do_sample=False, compile_config=cc)
+            assert torch.equal(got, dynamic_generate(model, prompt_ids, q, 10).sequences)
+    assert backend.graphs == 1
