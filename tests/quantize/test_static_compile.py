@@ -219,3 +219,19 @@ def test_a_reset_cache_and_a_fresh_one_reuse_the_graph():
             got = model.generate(prompt_ids, **cache_arg(cache), max_new_tokens=10, do_sample=False, compile_config=cc)
             assert torch.equal(got, dynamic_generate(model, prompt_ids, q, 10).sequences)
     assert backend.graphs == 1
+
+
+def test_crop_within_the_residual_and_reset():
+    cache = CompileableCache.from_policy(static_policy({"group_size": 16, "residual_length": 32}, 100),
+                                         build("llama").config)
+    cache.crop(-3)  # empty: nothing to do
+    k = torch.randn(1, 2, 40, 16)
+    cache.update(k, k, 0)  # 32 packed, 8 in the residual
+    with pytest.raises(CacheError, match="reaches into packed blocks"):
+        cache.layers[0].crop(9)
+    cache.layers[0].crop(5)
+    assert cache.layers[0].seq_length() == 35
+    held = cache.layers[0].peek()[0]
+    torch.testing.assert_close(held[:, :, 32:], k[:, :, 32:35], rtol=0, atol=0)  # the residual, exact
+    cache.layers[0].crop(35)
+    assert cache.layers[0].seq_length() == 0

@@ -189,6 +189,8 @@ class StaticQuantized(KVLayer):
     def crop(self, n: int) -> None:
         held = self.seq_length()
         n = check_crop(n, held)
+        if self.position is None:
+            return
         if n and n >= held:
             self.position.zero_()
         elif n > held % self.r:
