@@ -2,7 +2,8 @@
 
 Public API: ``load_policy``, ``Policy``, ``TieredCache``, ``plan``, ``generate`` (chunked prefill,
 then ``model.generate``), ``PolicyError``, ``CacheError`` (and ``TieredEncoderDecoderCache``, what
-``TieredCache.for_encoder_decoder`` returns).
+``TieredCache.for_encoder_decoder`` returns; ``CompileableCache``, the static cache whose decode step
+``torch.compile`` captures once: ``tiercache.cache.compileable``).
 ``TieredCache`` and ``plan`` are imported lazily so that the torch-only parts load without
 transformers.
 """
@@ -12,8 +13,8 @@ from tiercache.policy.schema import Policy, load_policy
 
 __version__ = "0.1.0"
 
-__all__ = ["CacheError", "Policy", "PolicyError", "TieredCache", "TieredEncoderDecoderCache", "generate",
-           "load_policy", "plan"]
+__all__ = ["CacheError", "CompileableCache", "Policy", "PolicyError", "TieredCache", "TieredEncoderDecoderCache",
+           "generate", "load_policy", "plan"]
 
 
 def __getattr__(name):
@@ -21,6 +22,10 @@ def __getattr__(name):
         from tiercache.cache import tiered as cache
 
         return getattr(cache, name)
+    if name == "CompileableCache":
+        from tiercache.cache.compileable import CompileableCache
+
+        return CompileableCache
     if name in ("plan", "Plan"):
         from tiercache.planner import api as planner
 
