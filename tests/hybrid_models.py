@@ -1,10 +1,12 @@
-"""Tiny hybrid and recurrent models built from transformers' own config classes (no hub).
+"""Tiny hybrid, recurrent, indexed and compressed models built from transformers' own config classes (no hub).
 
 ``HYBRID``: the causal-LM families of the installed transformers whose layers are not all
 attention layers (``linear_attention`` / ``conv`` state layers, ``hybrid`` layers, ``mlp`` /
 ``moe`` layers), each built tiny. ``tiny_config(model_type)`` passes the config class small
 values for every size field it has (``SMALL``, then the family's ``EXTRA``: a few layers, at
-least one attention layer where the family has any); ``build(model_type)`` returns the
+least one attention layer where the family has any); ``INDEXED``: the families with
+``indexed_attention`` layers (sparse attention's indexer keys), ``COMPRESSED``: DeepSeek-V4 (compressed
+attention layers); ``build(model_type)`` returns the
 eval-mode model in float32, fixed seed.
 """
 
@@ -16,6 +18,10 @@ import torch
 import transformers as tf
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+# attention layers with a side state: indexer keys (Dynamic Sparse Attention) / DeepSeek-V4's compressor state
+INDEXED = ["axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "qwen4_exp_text"]
+COMPRESSED = ["deepseek_v4"]
 
 HYBRID = ["bamba", "bailing_hybrid", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear",
           "lara_mini", "lfm3", "mamba", "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_5_text", "qwen3_5_moe_text",
@@ -48,16 +54,39 @@ EXTRA = {  # per family: the layers (a few, one of them attention where the fami
     "zamba": dict(num_hidden_layers=8),  # two hybrid layers (2, 7): they share weights
     "zamba2": dict(num_hidden_layers=7, layer_types=["linear_attention"] * 6 + ["hybrid"]),
     "zaya": dict(num_experts_per_tok=1),
+    # indexed attention: MLA heads (kv heads = heads), a small indexer whose top-k (4) is below the tokens held
+    **{f: dict(num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=16, index_n_heads=2, index_head_dim=16,
+               index_topk=4, layer_types=["indexed_attention"] * 2, mlp_layer_types=["dense", "sparse"])
+       for f in ("axk2", "deepseek_v32", "glm_moe_dsa")},
+    "hy_v4": dict(num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=16, index_n_heads=2, index_head_dim=16,
+                  index_topk=4, layer_types=["indexed_attention"] * 2, mlp_layer_types=["dense", "sparse"],
+                  indexer_types=["full", "shared"]),
+    "dots3_note_text": dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, index_n_heads=2,
+                            index_head_dim=16, index_topk=4,
+                            layer_types=["indexed_attention", "sliding_attention", "indexed_attention"],
+                            mlp_layer_types=["dense", "sparse", "sparse"], swa_num_attention_heads=4,
+                            swa_num_key_value_heads=4, swa_q_lora_rank=16, swa_kv_lora_rank=16, swa_head_dim=16,
+                            swa_qk_nope_head_dim=8, swa_v_head_dim=16, shared_experts_intermediate_size=32),
+    "qwen4_exp_text": dict(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"], hc_lowrank=8,
+                           ngram_vocab_size_base=256, split_ngram_parts=2, heads_per_ngram=2, indexer_n_heads=2,
+                           indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4, indexer_compress_ratio=2),
+    # DeepSeek-V4: one layer of each kind, compress rates small enough to emit entries within a few tokens
+    "deepseek_v4": dict(num_hidden_layers=3, num_key_value_heads=1,
+                        layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                        mlp_layer_types=["moe"] * 3, q_lora_rank=16, o_groups=2, o_lora_rank=8, index_n_heads=2,
+                        index_head_dim=16, index_topk=2),
 }
 
-ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
+ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding", "indexed_attention",
+             "compressed_sparse_attention", "heavily_compressed_attention")
 
 
 def tiny_config(model_type: str, layers: int = 3):
     cls = CONFIG_MAPPING[model_type]
     fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
     default = cls()
-    kw = {k: v for k, v in SMALL.items() if k in fields and getattr(default, k, None) is not None}
+    kw = {k: v for k, v in SMALL.items() if k in fields and _default(default, k) is not None}
     kw.update(EXTRA.get(model_type, {}))
     if "num_hidden_layers" not in kw and "layer_types" in fields:
         types = list(default.layer_types)
@@ -65,6 +94,13 @@ def tiny_config(model_type: str, layers: int = 3):
         n = max(layers, first + 1)
         kw.update(num_hidden_layers=n, layer_types=types[:n])
     return cls(**kw)
+
+
+def _default(config, name: str):
+    try:
+        return getattr(config, name, None)
+    except Exception:  # a per-layer attribute of a heterogeneous config (dots3): read per layer only
+        return None
 
 
 def model_class(model_type: str):
