@@ -13,6 +13,7 @@ eval-mode model in float32, fixed seed.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 import transformers as tf
@@ -84,7 +85,10 @@ ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid
 
 def tiny_config(model_type: str, layers: int = 3):
     cls = CONFIG_MAPPING[model_type]
-    fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    if dataclasses.is_dataclass(cls):
+        fields = {f.name for f in dataclasses.fields(cls)}
+    else:  # an older config class: its __init__ keywords
+        fields = set(inspect.signature(cls.__init__).parameters)
     default = cls()
     kw = {k: v for k, v in SMALL.items() if k in fields and _default(default, k) is not None}
     kw.update(EXTRA.get(model_type, {}))
