@@ -4,7 +4,8 @@
     python bench/family_sweep.py --families jamba,deepseek_v4 --json sweep.json
 
 For each family: its config class with small sizes (``tests/hybrid_models.tiny_config``: a few
-layers, at least one attention layer where the family has any), its causal-LM class, a 6-token
+layers, at least one attention layer where the family has any; older field names too), its
+causal-LM class (counted on the meta device first: one over ``MAX_PARAMS`` is not built), a 6-token
 prompt and 4 greedy new tokens with ``DynamicCache(config=...)`` (the reference), then with
 ``TieredCache`` under three policies: ``fp`` (full precision), ``offload`` (host tier) and
 ``int4`` (native, group 4, residual 4). A family is
@@ -15,7 +16,8 @@ prompt and 4 greedy new tokens with ``DynamicCache(config=...)`` (the reference)
     refused       TieredCache raises a PolicyError / CacheError (it says why)
     error         TieredCache raises anything else
     not tiny      its config or model cannot be built tiny here (needs other inputs, a hub file ...)
-    no cache run  DynamicCache itself does not run it (the model does not use a Cache, or fails)
+    no cache run  DynamicCache itself does not run it (the model refuses a Cache, or fails)
+    no cache use  DynamicCache runs it but holds nothing after (RWKV, XLNet keep their state elsewhere)
 
 Only ``refused``, ``error``, ``wrong`` and ``int4 fails`` are gaps of tiercache; the target of
 issue 31 is none of them. Prints one line per family and a summary; ``--json`` writes the rows.
@@ -65,21 +67,32 @@ def generate(model, cache):
         return model.generate(ids, **cache_arg(cache), max_new_tokens=4, min_new_tokens=4, do_sample=False)
 
 
+def holds(cache) -> bool:
+    """Whether any layer of transformers' cache holds a non-empty tensor (K/V, states, indexer keys ...)."""
+    def full(v) -> bool:
+        if isinstance(v, torch.Tensor):
+            return v.numel() > 0
+        return isinstance(v, dict) and any(full(x) for x in v.values())
+
+    return any(full(v) for layer in cache.layers for k, v in vars(layer).items() if not k.startswith("_"))
+
+
 def sweep_one(family: str) -> dict:
     row = {"family": family}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = build(family)
-        params = sum(p.numel() for p in model.parameters())
-        if params > MAX_PARAMS:
-            return {**row, "status": "not tiny", "why": f"{params} parameters with small sizes"}
+            model = build(family, generic=True, max_params=MAX_PARAMS)
     except Exception as e:
         return {**row, "status": "not tiny", "why": f"{type(e).__name__}: {e}"[:200]}
     try:
-        want = generate(model, DynamicCache(config=model.config))
+        ref = DynamicCache(config=model.config)
+        want = generate(model, ref)
     except Exception as e:
         return {**row, "status": "no cache run", "why": f"{type(e).__name__}: {e}"[:200]}
+    if not holds(ref):
+        return {**row, "status": "no cache use", "why": "DynamicCache holds nothing after generate: the model keeps "
+                                                        "its state elsewhere (RWKV's state, XLNet's mems ...)"}
     for name, policy in POLICIES.items():
         try:
             got = generate(model, TieredCache.from_policy(policy, model.config))

@@ -79,18 +79,28 @@ EXTRA = {  # per family: the layers (a few, one of them attention where the fami
                         index_head_dim=16, index_topk=2),
 }
 
+# other families' names for the same sizes (older configs; encoder-decoder decoders): the family sweep
+# (bench/family_sweep.py) passes them too, so that every family it builds is tiny
+GENERIC_SMALL = dict(d_model=64, n_embd=64, n_layer=2, n_head=4, n_positions=256, n_ctx=256, num_layers=2,
+                     decoder_layers=2, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
+                     decoder_ffn_dim=64, encoder_ffn_dim=64, d_ff=64, d_kv=16, ffn_dim=64, n_inner=64,
+                     num_heads=4, embed_dim=64, word_embed_proj_dim=64, max_target_positions=256,
+                     max_source_positions=256, type_vocab_size=2, embedding_size=64)
+
 ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding", "indexed_attention",
              "compressed_sparse_attention", "heavily_compressed_attention")
 
 
-def tiny_config(model_type: str, layers: int = 3):
+def tiny_config(model_type: str, layers: int = 3, generic: bool = False):
+    """``model_type``'s config with small sizes; ``generic``: also the older names of ``GENERIC_SMALL``."""
     cls = CONFIG_MAPPING[model_type]
     if dataclasses.is_dataclass(cls):
         fields = {f.name for f in dataclasses.fields(cls)}
     else:  # an older config class: its __init__ keywords
         fields = set(inspect.signature(cls.__init__).parameters)
     default = cls()
-    kw = {k: v for k, v in SMALL.items() if k in fields and _default(default, k) is not None}
+    small = {**GENERIC_SMALL, **SMALL} if generic else SMALL
+    kw = {k: v for k, v in small.items() if k in fields and _default(default, k) is not None}
     kw.update(EXTRA.get(model_type, {}))
     if "num_hidden_layers" not in kw and "layer_types" in fields:
         types = list(default.layer_types)
@@ -111,7 +121,14 @@ def model_class(model_type: str):
     return getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
 
 
-def build(model_type: str, seed: int = 0):
-    cfg = tiny_config(model_type)
+def build(model_type: str, seed: int = 0, generic: bool = False, max_params: int | None = None):
+    """The tiny model (eval mode, float32, ``seed``); ``max_params``: first counted on the meta device,
+    ``ValueError`` when over (a config whose sizes did not take is not built at full size)."""
+    cfg = tiny_config(model_type, generic=generic)
+    if max_params is not None:
+        with torch.device("meta"):
+            n = sum(p.numel() for p in model_class(model_type)(cfg).parameters())
+        if n > max_params:
+            raise ValueError(f"{n} parameters with small sizes (over {max_params})")
     torch.manual_seed(seed)
     return model_class(model_type)(cfg).eval()
