@@ -87,6 +87,29 @@ GENERIC_SMALL = dict(d_model=64, n_embd=64, n_layer=2, n_head=4, n_positions=256
                      num_heads=4, embed_dim=64, word_embed_proj_dim=64, max_target_positions=256,
                      max_source_positions=256, type_vocab_size=2, embedding_size=64)
 
+SWEEP_EXTRA = {  # families whose sizes have names or constraints of their own (the family sweep)
+    **{f: dict(head_dim=16) for f in ("hunyuan_v1_dense", "ministral")},
+    "nemotron": dict(head_dim=16, num_key_value_heads=2),
+    "hunyuan_v1_moe": dict(head_dim=16, num_experts=4, moe_topk=2, moe_intermediate_size=32),
+    **{f: dict(rotary_dim=8) for f in ("codegen", "gptj")},
+    "deepseek_v2": dict(num_experts_per_tok=2, num_key_value_heads=4),
+    "gemma4_text": dict(vocab_size_per_layer_input=128, hidden_size_per_layer_input=8),
+    "gemma3n_text": dict(num_hidden_layers=4, num_kv_shared_layers=2, vocab_size_per_layer_input=128,
+                         hidden_size_per_layer_input=8, laurel_rank=8, altup_num_inputs=2,
+                         layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4),
+    "cpmant": dict(dim_model=64, dim_head=16, dim_ff=64, num_layers=2, num_heads=4, vocab_size=128, prompt_length=4),
+    "xlm": dict(emb_dim=64, n_layers=2, n_heads=4, vocab_size=128),
+    "gpt_neo": dict(num_layers=2, attention_types=[[["global", "local"], 1]], window_size=8),
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=256,
+                 attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}),
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),
+    "lfm2_moe": dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], num_dense_layers=1, num_experts=4,
+                     num_experts_per_tok=2),
+    "longcat_flash": dict(num_layers=2, ffn_hidden_size=64, expert_ffn_hidden_size=32, n_routed_experts=4,
+                          zero_expert_num=1, moe_topk=2, num_key_value_heads=4, q_lora_rank=16),
+}
+
 ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding", "indexed_attention",
              "compressed_sparse_attention", "heavily_compressed_attention")
 
@@ -102,6 +125,8 @@ def tiny_config(model_type: str, layers: int = 3, generic: bool = False):
     small = {**GENERIC_SMALL, **SMALL} if generic else SMALL
     kw = {k: v for k, v in small.items() if k in fields and _default(default, k) is not None}
     kw.update(EXTRA.get(model_type, {}))
+    if generic:
+        kw.update(SWEEP_EXTRA.get(model_type, {}))
     if "num_hidden_layers" not in kw and "layer_types" in fields:
         types = list(default.layer_types)
         first = next((i for i, t in enumerate(types) if t in ATTENTION), 0)  # keep the first attention layer

@@ -25,7 +25,7 @@ Q = {"backend": "native", "bits": 4, "group_size": 4, "residual_length": 4}
 V4_OFFLOAD = [{"layer_type": t, "offload": {"device": "cpu"}}  # sliding layers are offloaded only when asked
               for t in ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")]
 POLICIES = {"fp": {"name": "fp"}, "offload": {"name": "cpu", "offload": {"device": "cpu"}, "overrides": []},
-            "int4": {"name": "int4", "quantize": Q}}
+            "static": {"name": "static", "storage": "static", "max_length": 32}, "int4": {"name": "int4", "quantize": Q}}
 NEW = 4
 
 
