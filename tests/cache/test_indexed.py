@@ -131,7 +131,8 @@ def test_fork_save_load_and_retier_keep_the_side_state(family, tmp_path):
     cache, nxt = prefilled(m, policy(family, "fp"))
     twin = cache.fork()
     cache.save(tmp_path / "c.safetensors")
-    loaded = TieredCache.load(tmp_path / "c.safetensors", m.config)
+    loaded = TieredCache.load(tmp_path / "c.safetensors", m.config, device="cpu")  # (load(device=) moves it too)
+    assert all(layer.state_dict()["side_state.device"] == "cpu" for layer in side_layers(loaded))
     moved = cache.fork()
     moved.retier(policy(family, "offload"))
     assert side_bytes(loaded) > 0 and side_bytes(twin) > 0 and side_bytes(moved) > 0

@@ -22,6 +22,10 @@ A side state (``SideState``) speaks a small protocol:
     reset()                             as new
     empty_like(other) (classmethod)     a new, empty side state of ``other``'s kind and geometry
 
+``state_dict`` holds ``kind``, ``meta.*`` (the side state's plain fields), ``side.*`` (its tensors,
+views), ``side_state.device`` (where they live: ``load(device=)`` moves them) and ``attention.*``
+(the chain's state); loading copies the tensors (the side state's ``load`` clones them).
+
 ``export`` / ``ingest`` carry K/V only: a side state cannot be rebuilt from tokens' K/V, so such
 a layer refuses ``ingest`` once it holds a side state, and legacy tuples refuse the model.
 """
@@ -191,8 +195,10 @@ class WithSideState(KVLayer):
 
     # -- lifecycle ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        sd = {"kind": self.side.kind, **nest("meta.", self.side.meta())}
-        sd.update(nest("side.", self.side.state_tensors()))
+        held = self.side.state_tensors()
+        device = next((str(t.device) for t in held.values()), None)  # (a load with device= moves it: persist)
+        sd = {"kind": self.side.kind, "side_state.device": device, **nest("meta.", self.side.meta())}
+        sd.update(nest("side.", held))
         sd.update(nest("attention.", self.attention.state_dict()))
         return sd
 
@@ -204,6 +210,9 @@ class WithSideState(KVLayer):
             tensors = part(sd, "side.")
             if not all(isinstance(t, torch.Tensor) for t in tensors.values()):
                 raise CacheError(f"state of a {self.side.kind} layer: a side. entry is not a tensor")
+            device = sd.get("side_state.device")
+            if device is not None:  # the saved compute device (or the one load(device=) asks for)
+                tensors = {k: t.to(device) for k, t in tensors.items()}
             self.side.load(part(sd, "meta."), tensors)
         except (CacheError, KeyError, TypeError, ValueError) as e:
             self.reset()
