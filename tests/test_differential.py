@@ -16,6 +16,9 @@ model does (a kernel-long first update, then a few tokens at a time) and compare
 have no batch select / repeat, so those operations are left out there. Window-vs-residual setups
 (a quantized sliding layer whose window fits in the residual, and one whose window does not)
 check the sliding rule of ``Policy.resolve``: the first holds its window exact (compared exactly).
+Indexed setups (GLM-MoE-DSA's ``indexed_attention`` layers; Qwen4-Exp's with a linear-attention
+layer) also append indexer keys as the model does (and Qwen4-Exp's 3-D indexer positions) and
+compare them exactly after every operation: they are never tiered.
 
 Where transformers 5.23 gives no answer or a wrong one, the documented tiercache behaviour is
 checked instead (see ``tiercache.cache.tiered``): a crop transformers refuses while ours is exact
@@ -58,8 +61,10 @@ CONFIGS = {
     "jamba-hybrid": lambda: tiny_config("jamba"),  # mamba, attention, mamba
     "falcon-h1-hybrid": lambda: tiny_config("falcon_h1"),  # hybrid layers: state + attention
     "lfm3-conv": lambda: tiny_config("lfm3"),  # conv, conv, attention, conv, sliding
+    "glm-dsa-indexed": lambda: tiny_config("glm_moe_dsa"),  # indexed, indexed (MLA K/V + indexer keys)
+    "qwen4-exp-indexed-hybrid": lambda: tiny_config("qwen4_exp_text"),  # linear attention, indexed
 }
-HYBRID = {"jamba-hybrid", "falcon-h1-hybrid", "lfm3-conv"}
+HYBRID = {"jamba-hybrid", "falcon-h1-hybrid", "lfm3-conv", "qwen4-exp-indexed-hybrid"}
 Q = {"backend": "native", "bits": 4, "group_size": 2, "residual_length": 4}
 STATIC_LENGTH = 512
 # (id, config, policy); "{tmp}" is replaced by the test's tmp_path
@@ -94,6 +99,9 @@ SETUPS = [
     ("offload-falcon-h1-hybrid", "falcon-h1-hybrid", {"offload": {"device": "cpu"}}),
     ("int4-offload-jamba-hybrid", "jamba-hybrid", {"quantize": Q, "offload": {"device": "cpu"}}),
     ("int4-lfm3-conv", "lfm3-conv", {"quantize": Q}),
+    ("full-glm-dsa-indexed", "glm-dsa-indexed", {}),
+    ("int4-offload-glm-dsa-indexed", "glm-dsa-indexed", {"quantize": Q, "offload": {"device": "cpu"}}),
+    ("offload-qwen4-exp-indexed-hybrid", "qwen4-exp-indexed-hybrid", {"offload": {"device": "cpu"}}),
 ]
 # meta_bits 8 rounds each group's scale and offset to a byte on the row's grids, so even groups of
 # 2 are no longer exact: measured <= 0.02 on these programs (int4), far below a misplaced token's ~1
@@ -130,6 +138,9 @@ class Program:
         self.n = len(self.ref.layers)
         self.batch = 2
         self.dims = [(config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // 4)] * self.n
+        self.indexed = [hasattr(layer, "update_indexer") for layer in self.ref.layers]  # indexer keys too
+        self.dims = [self.ours.model.kv_shape(i)[:2] if self.indexed[i] else self.dims[i] for i in range(self.n)]
+        self.value_dims = [self.ours.model.kv_shape(i)[2] if self.indexed[i] else self.dims[i][1] for i in range(self.n)]
 
     # -- comparing ---------------------------------------------------------------------------
     def same(self, got, want, what: str) -> None:
@@ -163,6 +174,10 @@ class Program:
                 for get in ("get_conv_state", "get_recurrent_state"):
                     a, b = getattr(ours, get)(i, s), getattr(ref, get)(i, s)
                     assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{at}: {get}({s})"
+            if self.indexed[i]:  # exact under every policy: the indexer keys are never tiered
+                for name in ("indexer_keys", "indexer_position_ids"):
+                    a, b = getattr(ours.layers[i], name), getattr(ref.layers[i], name)
+                    assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{at}: {name}"
             if self.dummy[i] or self.linear[i]:
                 continue
             assert ours.get_seq_length(i) == ref.get_seq_length(i), f"{at}: get_seq_length"
@@ -180,13 +195,26 @@ class Program:
                 continue
             heads, dim = self.dims[i]
             k = torch.randn(self.batch, heads, t, dim, generator=self.gen)
-            v = torch.randn(self.batch, heads, t, dim, generator=self.gen)
+            v = torch.randn(self.batch, heads, t, self.value_dims[i], generator=self.gen)
+            if self.indexed[i]:
+                self.update_indexer(i, t)
             want = self.ref.update(k, v, i)
             got = self.ours.update(k, v, i)
             if self.padded:  # max_length slots; the masked tail is not compared
                 got = tuple(x[:, :, : want[0].shape[2]] for x in got)
             self.same(got[0], want[0], f"update({t}) keys, layer {i}")
             self.same(got[1], want[1], f"update({t}) values, layer {i}")
+
+    def update_indexer(self, i: int, t: int) -> None:
+        """A sparse-attention model's indexer keys ``[B, T, 16]``; the first indexed layer also keeps
+        3-D positions ``[3, B, S]`` as Qwen4-Exp does (it concatenates them itself)."""
+        keys = torch.randn(self.batch, t, 16, generator=self.gen)
+        assert torch.equal(self.ours.update_indexer(keys, i), self.ref.update_indexer(keys, i)), f"indexer, layer {i}"
+        if i == self.indexed.index(True):
+            new = torch.randint(0, 99, (3, self.batch, t), generator=self.gen)
+            for c in (self.ref, self.ours):
+                held = c.layers[i].indexer_position_ids
+                c.layers[i].indexer_position_ids = new if held is None else torch.cat([held, new], dim=-1)
 
     def update_states(self, i: int, t: int) -> None:
         """A model's conv / recurrent updates: a kernel-long (4) first one, then ``t`` tokens."""
@@ -272,6 +300,8 @@ class Program:
         for layer in self.ref.layers:
             if getattr(layer, "keys", None) is not None:
                 layer.keys, layer.values = layer.keys[:, :, :0], layer.values[:, :, :0]
+            if getattr(layer, "indexer_keys", None) is not None:
+                layer.indexer_keys = layer.indexer_keys[:, :0]
             if hasattr(layer, "cumulative_length"):
                 layer.cumulative_length = 0
 

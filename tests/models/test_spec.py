@@ -160,3 +160,30 @@ def test_composite_configs_read_their_decoder_config():
     spec = ModelSpec.from_config(config)
     assert (spec.num_layers, spec.kv_shape(0), spec.sliding_window, spec.cross_attention) == (3, (2, 8, 8), 4, True)
     assert spec.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+
+
+def test_side_state_layer_types_are_attention_layers():
+    """Indexed layers attend over all tokens; DeepSeek-V4's compressed layers over a sliding window,
+    with a compress rate per layer from ``compress_rates``; a compressed layer without one is refused."""
+    from types import SimpleNamespace
+
+    from tiercache.errors import PolicyError
+
+    types = ["indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"]
+    cfg = SimpleNamespace(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                          sliding_window=8, layer_types=types,
+                          compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
+    spec = ModelSpec.from_config(cfg)
+    assert [spec.attends(i) for i in range(4)] == [True] * 4
+    assert [spec.window(i) for i in range(4)] == [None, 8, 8, 8]
+    assert [spec.compress_rate(i) for i in range(4)] == [None, 4, 128, None]
+    assert [lp.compress_rate for lp in TieredCache.layer_policies(tiercache_policy(), spec)] == [None, 4, 128, None]
+    cfg.compress_rates = {"compressed_sparse_attention": 4}
+    with pytest.raises(PolicyError, match="compress_rates\\['heavily_compressed_attention'\\]"):
+        ModelSpec.from_config(cfg)
+
+
+def tiercache_policy():
+    from tiercache import Policy
+
+    return Policy()

@@ -5,7 +5,9 @@ builder, the only constructor of a layer's processors), ``chainspec`` (a layer p
 torch-only, shared with the planner), ``cross_attention`` (encoder-decoder pairs), ``legacy``
 (tuple caches in and out), ``placeholders`` (KV-sharing layers), ``prefill`` (chunked prefill and
 ``tiercache.generate``), ``compat`` (the keyword a cache is passed under), ``state_layer`` /
-``hybrid_states`` / ``layer_roles`` (hybrid and recurrent models' conv / recurrent states).
+``hybrid_states`` / ``layer_roles`` (hybrid and recurrent models' conv / recurrent states),
+``side_state`` / ``indexed_layer`` / ``compressed_layer`` (attention layers that keep more than K/V:
+sparse attention's indexer keys, DeepSeek-V4's compressor state).
 
 ``TieredCache``, ``TieredEncoderDecoderCache`` and ``generate`` are imported lazily, so that
 ``tiercache.cache.chainspec`` loads without transformers.

@@ -18,6 +18,10 @@ Hybrid and recurrent models: a layer that keeps a conv / recurrent state (``lp.s
 no attention K/V at all (``not lp.attends``) is a ``StateLayer`` (``tiercache.cache.state_layer``):
 transformers' own state, exact, around the layer's attention chain when it has one.
 
+Attention layers with a side state (``indexed_attention``: indexer keys; DeepSeek-V4's
+compressed layers: a compressor state) are an ``IndexedLayer`` / ``CompressedLayer`` around the
+layer's chain (``tiercache.cache.indexed_layer``, ``tiercache.cache.compressed_layer``).
+
 Cross-attention layers (``layer_type == "cross_attention"``, encoder-decoder models) get
 ``CrossAttention(...)`` around the chain: transformers reads them back through ``.keys`` /
 ``.values``.
@@ -45,6 +49,7 @@ from tiercache.layers.buffer import CHUNK, capacity_for
 from tiercache.layers.full import FullLayer
 from tiercache.layers.sliding import SlidingLayer
 from tiercache.layers.static import StaticLayer
+from tiercache.models.spec import INDEXED_TYPES, SIDE_STATE_TYPES
 from tiercache.policy.schema import LayerPolicy
 
 
@@ -134,7 +139,7 @@ class Shared:
 
 def compileable(lp: LayerPolicy) -> bool:
     """The layer is plain resident static storage (a cache of only those is compileable)."""
-    return lp.attends and not lp.states and lp.storage == "static" and lp.window is None and lp.quantize is None and lp.offload is None
+    return lp.attends and not lp.states and lp.layer_type not in SIDE_STATE_TYPES and lp.storage == "static" and lp.window is None and lp.quantize is None and lp.offload is None
 
 
 def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
@@ -172,12 +177,28 @@ def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
 
 def build_layer(lp: LayerPolicy, shared: Shared, padded: bool = False) -> KVLayer:
     """``build(spec_for(lp, padded), shared)``; a ``StateLayer`` around it (or alone) for a layer with a
-    conv / recurrent state or no attention (hybrid and recurrent models)."""
+    conv / recurrent state or no attention (hybrid and recurrent models); an ``IndexedLayer`` /
+    ``CompressedLayer`` around it for an attention layer with a side state (``tiercache.cache.side_state``)."""
+    if lp.layer_type in SIDE_STATE_TYPES:
+        return _side_state_layer(lp, build(spec_for(lp, padded), shared))
     if lp.attends and not lp.states:
         return build(spec_for(lp, padded), shared)
     from tiercache.cache.state_layer import StateLayer
 
     layer = StateLayer(lp.states, build(spec_for(lp, padded), shared) if lp.attends else None)
+    layer.policy = lp
+    return layer
+
+
+def _side_state_layer(lp: LayerPolicy, attention: KVLayer) -> KVLayer:
+    if lp.layer_type in INDEXED_TYPES:
+        from tiercache.cache.indexed_layer import IndexedLayer
+
+        layer = IndexedLayer(attention)
+    else:
+        from tiercache.cache.compressed_layer import CompressedLayer
+
+        layer = CompressedLayer(attention, lp.layer_type, lp.window, lp.compress_rate)
     layer.policy = lp
     return layer
 

@@ -23,6 +23,8 @@ What a past means (``TieredCache.from_legacy`` / ``to_legacy``):
   tokens, so positions and masks continue where the past left off. A model whose layers are all
   sliding (Mistral) cannot tell from a trimmed past how many tokens came before: pass
   ``seq_length``.
+- Models whose layers keep more than K/V (conv / recurrent states; indexer keys; DeepSeek-V4's
+  compressor state) are refused both ways: a pair of tensors cannot carry that state.
 - A KV-sharing ``reuse`` layer (Gemma 3n / 4) is never written by the model: its pair may be
   ``(None, None)`` or tensors, and is not stored; ``export`` gives ``(None, None)`` for it.
 - ``None`` or ``()`` is the empty past: an empty cache, and an empty cache exports ``()``.
@@ -48,12 +50,13 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.models.spec import ModelSpec
+from tiercache.models.spec import SIDE_STATE_TYPES, ModelSpec
 from tiercache.policy.schema import Policy
 
 
 def build(cls, past, policy: Policy, model: ModelSpec, seq_length: int | None = None):
     _check_no_states([model.states(i) for i in range(model.num_layers)], "from_legacy")
+    _check_no_side_states([t in SIDE_STATE_TYPES for t in model.layer_types], "from_legacy")
     if model.cross_attention:  # -> the EncoderDecoderCache of for_encoder_decoder, both halves filled
         halves = split(past, model)
         sizes = [check_past(halves[0], model, policy, seq_length)]
@@ -150,8 +153,16 @@ def _check_no_states(counts, what: str) -> None:
                          "save / load or fork instead")
 
 
+def _check_no_side_states(flags, what: str) -> None:
+    if any(flags):
+        raise CacheError(f"{what}: this model's layers {[i for i, f in enumerate(flags) if f]} keep a side state beside "
+                         "their K/V (sparse attention's indexer keys, DeepSeek-V4's compressor state), which legacy "
+                         "(key, value) tuples cannot carry; use save / load or fork instead")
+
+
 def export(layers) -> tuple:
     _check_no_states([getattr(layer, "states", 0) for layer in layers], "to_legacy")
+    _check_no_side_states([hasattr(layer, "side") for layer in layers], "to_legacy")
     held = []
     for layer in layers:
         kv = layer.export()  # [B, H, S, D] views of storage for some layers: a legacy tuple is a copy

@@ -35,6 +35,11 @@ with neither (``mlp`` / ``moe``: Nemotron-H), as transformers' ``DynamicCache`` 
 ``attends(i)`` (the layer caches K/V), ``states(i)`` (how many conv / recurrent state pairs it
 keeps: ``number_of_conv_states``, else 1; 0 for attention-only layers). A model with no
 attention layer at all (Mamba) needs no attention heads in its config.
+Attention layers with a side state (``tiercache.cache.side_state``): ``indexed_attention``
+(Dynamic Sparse Attention: DeepSeek-V3.2, GLM-MoE-DSA ...: full K/V plus indexer keys) and
+DeepSeek-V4's ``compressed_sparse_attention`` / ``heavily_compressed_attention`` (a sliding
+window of ``sliding_window`` plus a compressor state, ``compress_rate(i)`` tokens per compressed
+entry from the config's ``compress_rates``). They attend (``attends(i)``): their K/V is tiered.
 KV sharing (``kv_sharing_modes``, Gemma 3n / Gemma 4): a ``"reuse"`` layer never updates the
 cache (it reads another layer's K/V), so it holds nothing; a ``"store"`` layer's returned K/V
 are kept by the model and read after other layers have updated, so its chain must return
@@ -51,10 +56,14 @@ from tiercache.errors import PolicyError
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # K/V only
+INDEXED_TYPES = ("indexed_attention",)  # K/V (full) and the indexer keys of sparse attention (DSA)
+COMPRESSED_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")  # K/V (sliding) and a compressor state
 HYBRID_TYPES = ("hybrid", "hybrid_sliding")  # K/V (full / sliding) and a conv / recurrent state
 STATE_TYPES = ("linear_attention", "conv")  # a conv / recurrent state only
 EMPTY_TYPES = ("mlp", "moe", "dummy")  # nothing cached (transformers' DummyLayer)
-LAYER_TYPES = ATTENTION_TYPES + HYBRID_TYPES + STATE_TYPES + EMPTY_TYPES
+SIDE_STATE_TYPES = INDEXED_TYPES + COMPRESSED_TYPES  # attention layers with a side state (tiercache.cache.side_state)
+KV_TYPES = ATTENTION_TYPES + SIDE_STATE_TYPES + HYBRID_TYPES  # the layers that cache K/V
+LAYER_TYPES = ATTENTION_TYPES + SIDE_STATE_TYPES + HYBRID_TYPES + STATE_TYPES + EMPTY_TYPES
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class ModelSpec:
     chunk_size: int | None = None  # window of chunked_attention layers (None: sliding_window)
     cross_attention: bool = False  # encoder-decoder: each layer also caches cross-attention K/V of kv_shape(i)
     state_counts: tuple[int, ...] | None = None  # per layer: conv / recurrent states kept (None: none anywhere)
+    compress_rates: tuple[int | None, ...] | None = None  # per layer: DeepSeek-V4's compress rate (compressed layers)
 
     @property
     def dtype_bytes(self) -> int:
@@ -87,15 +97,19 @@ class ModelSpec:
         """Tokens layer ``index`` keeps: None (full attention), ``sliding_window`` (sliding) or
         ``chunk_size`` (chunked; ``sliding_window`` when the spec has no chunk size)."""
         kind = self.layer_types[index]
-        if kind in ("full_attention", "hybrid") or not self.attends(index):
+        if kind in ("full_attention", "hybrid") + INDEXED_TYPES or not self.attends(index):
             return None
         if kind == "chunked_attention" and self.chunk_size is not None:
             return self.chunk_size
         return self.sliding_window
 
     def attends(self, index: int) -> bool:
-        """Layer ``index`` caches attention K/V (attention and hybrid layers)."""
-        return self.layer_types[index] in ATTENTION_TYPES + HYBRID_TYPES
+        """Layer ``index`` caches attention K/V (attention layers, with a side state or not, and hybrid layers)."""
+        return self.layer_types[index] in KV_TYPES
+
+    def compress_rate(self, index: int) -> int | None:
+        """DeepSeek-V4: tokens per compressed entry of a compressed layer (None for other layers)."""
+        return None if self.compress_rates is None else self.compress_rates[index]
 
     def states(self, index: int) -> int:
         """How many conv / recurrent state pairs layer ``index`` keeps (0: none)."""
@@ -135,7 +149,7 @@ class ModelSpec:
         if n is not None and types is None:
             kind = "sliding_attention" if window else ("chunked_attention" if chunk else "full_attention")
             types = [kind] * n
-        attention = types is not None and any(t in ATTENTION_TYPES + HYBRID_TYPES for t in types)
+        attention = types is not None and any(t in KV_TYPES for t in types)
         if n is None or (heads is None and attention):
             raise PolicyError(f"model config {name} lacks num_hidden_layers / num_attention_heads: not a decoder config")
         _positive(n, "num_hidden_layers", name)
@@ -153,7 +167,7 @@ class ModelSpec:
             shapes = [_kv_shape(c, name) for c in per_layer] if per_layer else [_kv_shape(config, name)] * n
         kv_heads, head_dim, value_dim = shapes[0]
         counts = _state_counts(config, per_layer, types)
-        if "sliding_attention" in types or "hybrid_sliding" in types:
+        if any(t in ("sliding_attention", "hybrid_sliding") + COMPRESSED_TYPES for t in types):
             window = window or chunk  # a sliding layer without sliding_window: the chunk size, as before
             _positive(window, "sliding_window (its sliding layers need a window)", name)
         if "chunked_attention" in types:
@@ -181,6 +195,7 @@ class ModelSpec:
             chunk_size=chunk if "chunked_attention" in types else None,
             cross_attention=cross,
             state_counts=counts,
+            compress_rates=_compress_rates(config, types),
         )
 
 
@@ -240,6 +255,16 @@ def _state_counts(config, per_layer, types) -> tuple[int, ...] | None:
     configs = per_layer or [config] * len(types)
     return tuple((getattr(c, "number_of_conv_states", None) or 1) if t in STATE_TYPES + HYBRID_TYPES else 0
                  for c, t in zip(configs, types))
+
+
+def _compress_rates(config, types) -> tuple[int | None, ...] | None:
+    """DeepSeek-V4's ``compress_rates`` (a dict: layer type -> tokens per compressed entry), per layer."""
+    if not any(t in COMPRESSED_TYPES for t in types):
+        return None
+    rates = getattr(config, "compress_rates", None) or {}
+    name = type(config).__name__
+    return tuple(_positive(rates.get(t), f"compress_rates[{t!r}]", name) if t in COMPRESSED_TYPES else None
+                 for t in types)
 
 
 def _positive(value, field: str, name: str) -> int:

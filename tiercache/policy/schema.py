@@ -107,9 +107,12 @@ class LayerPolicy:
     kv_sharing: str | None = None  # the model's: None | "store" (return owned K/V) | "reuse" (never updated)
     states: int = 0  # conv / recurrent state pairs the layer keeps exact (hybrid and recurrent models)
     attends: bool = True  # the layer caches attention K/V (False: a state-only or empty layer, storage "none")
+    compress_rate: int | None = None  # DeepSeek-V4 compressed layers: tokens per compressed entry (exact side state)
 
 
-KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding")
+KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention",
+                     "compressed_sparse_attention", "heavily_compressed_attention", "hybrid", "hybrid_sliding")
+# (attention layers: their K/V is tiered; indexed / compressed layers also keep an exact side state, never tiered)
 # Layers that keep a conv / recurrent state or nothing (tiercache.models.spec): never tiered, never named
 NOT_ATTENTION = ("linear_attention", "conv", "mlp", "moe", "dummy")
 
@@ -209,8 +212,9 @@ class Policy:
             if quantize is not None and sliding and window - 1 <= quantize.residual_length:
                 quantize = None  # its whole window is newer than the residual: every token it holds stays exact
             storage = "sliding" if sliding else self.storage
+            rate = model.compress_rate(idx) if hasattr(model, "compress_rate") else None
             out.append(LayerPolicy(idx, layer_type, storage, window, self.max_length, quantize, offload,
-                                   model.kv_sharing(idx), states))
+                                   model.kv_sharing(idx), states, compress_rate=rate))
         return out
 
 
