@@ -55,7 +55,7 @@ import sys
 from pathlib import Path
 
 from tiercache.errors import PolicyError
-from tiercache.models.spec import ModelSpec
+from tiercache.models.spec import PRESETS, ModelSpec
 from tiercache.planner.concrete import LayerRow, Plan, budget_text, bytes_text, check_sizes, plan_concrete, tier_bytes
 from tiercache.planner.resolve import local_config, resolve_model
 from tiercache.planner.states import state_plan
@@ -89,7 +89,8 @@ def plan(policy, model, batch_size: int = 1, context_length: int = 4096, encoder
         if not spec.cross_attention:
             raise PolicyError(f"plan: encoder_length is for encoder-decoder models; {spec.name} is decoder-only "
                               "(no cross-attention to count)")
-    states = state_plan(spec, None if isinstance(model, ModelSpec) else _config_of(model))
+    stateful = any(spec.states(i) for i in range(spec.num_layers))  # (only then is a config looked up)
+    states = state_plan(spec, _config_of(model)) if stateful and not isinstance(model, ModelSpec) else state_plan(spec, None)
     if policy.auto:
         from tiercache.planner.ladder import walk
 
@@ -104,6 +105,8 @@ def _config_of(model):
         return model.config
     if not isinstance(model, (str, Path)):
         return model
+    if str(model).lower() in PRESETS:
+        return None
     config = local_config(str(model))
     if config is None:
         try:
