@@ -58,6 +58,7 @@ CONFIGS = {
         num_hidden_layers=4, num_kv_shared_layers=2, head_dim=8, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4, **SMALL),
     "mistral-w8": lambda: tf.MistralConfig(num_hidden_layers=2, sliding_window=8, **SMALL),
+    "gemma2-w8": lambda: tf.Gemma2Config(num_hidden_layers=2, sliding_window=8, head_dim=8, **SMALL),
     "jamba-hybrid": lambda: tiny_config("jamba"),  # mamba, attention, mamba
     "falcon-h1-hybrid": lambda: tiny_config("falcon_h1"),  # hybrid layers: state + attention
     "lfm3-conv": lambda: tiny_config("lfm3"),  # conv, conv, attention, conv, sliding
@@ -95,6 +96,10 @@ SETUPS = [
     # the sliding rule: window 8 fits in residual 8 (held exact), or not in residual 4 (quantized)
     ("int4-window-fits-residual-mistral", "mistral-w8", {"quantize": {**Q, "residual_length": 8}}),
     ("int4-window-over-residual-mistral", "mistral-w8", {"quantize": Q}),
+    # ... on Gemma 2 (sliding + full): window 4 under residual 8, window 8 over residual 4, int2 over residual 2
+    ("int4-window-under-residual-gemma2", "gemma2", {"quantize": {**Q, "residual_length": 8}}),
+    ("int4-window-over-residual-gemma2", "gemma2-w8", {"quantize": Q}),
+    ("int2-window-over-residual-mistral", "mistral-w8", {"quantize": {**Q, "bits": 2, "residual_length": 2}}),
     ("full-jamba-hybrid", "jamba-hybrid", {}),
     ("offload-falcon-h1-hybrid", "falcon-h1-hybrid", {"offload": {"device": "cpu"}}),
     ("int4-offload-jamba-hybrid", "jamba-hybrid", {"quantize": Q, "offload": {"device": "cpu"}}),

@@ -37,6 +37,10 @@ Plan
     .cross_layers  encoder-decoder with ``encoder_length``: one LayerRow per cross-attention
                  layer (the ``cross_attention_cache`` half); their bytes, device mirrors and
                  workspace (that half has its own) are in ``.bytes``, ``.mirrors``, ``.workspace``.
+    .states      hybrid and recurrent models: the conv / recurrent states (``tiercache.planner.states``:
+                 shapes per layer from the config, or why they are not predicted); ``.state_bytes``
+                 their device bytes, part of ``.bytes["device"]`` (a fixed size, whatever the context;
+                 0 and said so in the table when not predicted)
     .table()     the human-readable report.
 
 Comparing with a real cache: ``tier_bytes(cache.nbytes(), device)`` maps places to tiers (the
@@ -51,9 +55,10 @@ import sys
 from pathlib import Path
 
 from tiercache.errors import PolicyError
-from tiercache.models.spec import ModelSpec
+from tiercache.models.spec import PRESETS, ModelSpec
 from tiercache.planner.concrete import LayerRow, Plan, budget_text, bytes_text, check_sizes, plan_concrete, tier_bytes
 from tiercache.planner.resolve import local_config, resolve_model
+from tiercache.planner.states import state_plan
 from tiercache.planner.units import human
 from tiercache.policy.schema import Policy, load_policy
 
@@ -84,11 +89,33 @@ def plan(policy, model, batch_size: int = 1, context_length: int = 4096, encoder
         if not spec.cross_attention:
             raise PolicyError(f"plan: encoder_length is for encoder-decoder models; {spec.name} is decoder-only "
                               "(no cross-attention to count)")
+    stateful = any(spec.states(i) for i in range(spec.num_layers))  # (only then is a config looked up)
+    states = state_plan(spec, _config_of(model)) if stateful and not isinstance(model, ModelSpec) else state_plan(spec, None)
     if policy.auto:
         from tiercache.planner.ladder import walk
 
-        return walk(policy, spec, batch_size, context_length, encoder_length, run)
-    return plan_concrete(policy, spec, batch_size, context_length, encoder_length, run)
+        return walk(policy, spec, batch_size, context_length, encoder_length, run, states)
+    return plan_concrete(policy, spec, batch_size, context_length, encoder_length, run, states)
+
+
+def _config_of(model):
+    """The config behind ``model`` (a config, a loaded model, a built-in name, a local path or a hub
+    id), read only for a model whose layers keep a conv / recurrent state; None if unreachable."""
+    if hasattr(model, "parameters") and hasattr(model, "config"):
+        return model.config
+    if not isinstance(model, (str, Path)):
+        return model
+    if str(model).lower() in PRESETS:
+        return None
+    config = local_config(str(model))
+    if config is None:
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(str(model))
+        except Exception:  # noqa: BLE001 - resolve_model already reached it; the plan says "not predicted"
+            return None
+    return config
 
 
 def choose(policy, model, batch: int = 1, context: int = 4096) -> Policy:

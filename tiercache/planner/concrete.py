@@ -1,7 +1,9 @@
 """The plan of one concrete (not ``auto``) policy: one ``LayerRow`` per layer, totals per tier.
 
 Interface
-    plan_concrete(policy, spec, batch, context, encoder_length=None, run=None) -> Plan
+    plan_concrete(policy, spec, batch, context, encoder_length=None, run=None, states=None) -> Plan
+        ``states``: the model's conv / recurrent states (``tiercache.planner.states.StatePlan``):
+        their bytes join the device total (``Plan.state_bytes``) and the table's states line
     Plan, LayerRow          (``Plan``'s fields: see ``tiercache.planner.api``)
     check_sizes(batch, context, name)   ``PolicyError`` unless both are ints >= 1
     tier_bytes(nbytes, device) -> {"device", "host", "disk"}   a cache's places mapped to tiers
@@ -49,6 +51,8 @@ class Plan:
     prefill_chunk: int | None = None
     cross_layers: list[LayerRow] = field(default_factory=list)  # encoder-decoder, with encoder_length
     encoder_length: int | None = None
+    states: object | None = None  # tiercache.planner.states.StatePlan (hybrid models), else None
+    state_bytes: int = 0  # part of bytes["device"], like workspace: conv / recurrent states (0 when not predicted)
 
     @property
     def budget(self) -> Budget | None:
@@ -86,8 +90,8 @@ def check_sizes(batch_size, context_length, context_name: str = "context_length"
 
 
 def plan_concrete(policy: Policy, spec: ModelSpec, batch: int, context: int, encoder_length: int | None = None,
-                  run=None) -> Plan:
-    rows, mirrors, workspace, totals = _half(policy.resolve(spec), spec, batch, context)
+                  run=None, states=None) -> Plan:
+    rows, mirrors, workspace, totals = _half(policy.resolve(spec), spec, batch, context, states)
     cross_rows = []
     if encoder_length is not None:  # the cross_attention_cache half: its own layers, mirrors and workspace
         from tiercache.cache.cross_attention import cross_layer_policies
@@ -99,22 +103,25 @@ def plan_concrete(policy: Policy, spec: ModelSpec, batch: int, context: int, enc
     problems = []
     if policy.storage == "static" and policy.max_length is not None and context > policy.max_length:
         problems.append(f"context {context} exceeds static max_length {policy.max_length}")
+    state_bytes = 0 if states is None else states.bytes(batch)  # exact, on the device, any context
+    totals["device"] += state_bytes
     p = Plan(policy, spec, batch, context, rows, mirrors, totals, workspace, problems,
-             cross_layers=cross_rows, encoder_length=encoder_length)
+             cross_layers=cross_rows, encoder_length=encoder_length, states=states, state_bytes=state_bytes)
     if run is not None:
         run.attach(p)
     return p
 
 
-def _half(layer_policies, spec: ModelSpec, batch: int, tokens: int):
-    """Rows, device mirrors, workspace and totals per tier of one TieredCache's layers."""
+def _half(layer_policies, spec: ModelSpec, batch: int, tokens: int, states=None):
+    """Rows, device mirrors, workspace and totals per tier of one TieredCache's layers (their K/V:
+    the conv / recurrent ``states`` are counted apart, on the plan's states line)."""
     prints: list[Footprint] = [layer_footprint(lp, spec, batch, tokens) for lp in layer_policies]
     prefetch = max((lp.offload.prefetch for lp in layer_policies if lp.offload is not None), default=0)
     mirrors = mirror_bytes(prints, prefetch)
     workspace = workspace_bytes(prints, spec, batch)
     totals = {tier: sum(f.held.get(tier, 0) for f in prints) for tier in TIERS}
     totals["device"] += mirrors + workspace
-    rows = [LayerRow(lp.index, lp.layer_type, _form(lp, spec), _place(lp), f.tokens,
+    rows = [LayerRow(lp.index, lp.layer_type, _form(lp, spec, states), _place(lp), f.tokens,
                      {t: f.held.get(t, 0) for t in TIERS}, f.mirrored) for lp, f in zip(layer_policies, prints)]
     return rows, mirrors, workspace, totals
 
@@ -133,9 +140,11 @@ def _dtype_name(spec: ModelSpec) -> str:
     return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}[spec.dtype]
 
 
-def _form(lp, spec: ModelSpec) -> str:
-    if not lp.attends:  # hybrid models: a conv / recurrent state (fixed size, exact) or nothing
-        return "state, exact (not planned)" if lp.states else "nothing cached"
+def _form(lp, spec: ModelSpec, states=None) -> str:
+    if not lp.attends:  # hybrid models: a conv / recurrent state (fixed size, exact: the states line) or nothing
+        if not lp.states:
+            return "nothing cached"
+        return states.describe(lp.index) if states is not None else "state, exact"
     storage = f"{lp.storage}" + (f" w{lp.window}" if lp.storage == "sliding" else "") + (
         f" max{lp.max_length}" if lp.storage == "static" else "")
     q = lp.quantize

@@ -122,7 +122,7 @@ def quantize_split(q: QuantizePolicy, seen: int) -> tuple[int, int]:
 
 def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) -> Footprint:
     if model.kv_sharing(lp.index) == "reuse" or not lp.attends:  # reuses another layer's K/V, or holds none
-        return Footprint({}, 0)  # (a hybrid model's conv / recurrent states: not planned, see docs/compat.md)
+        return Footprint({}, 0)  # (a hybrid model's conv / recurrent states: tiercache.planner.states)
     spec = spec_for(lp)  # what the chain builder builds: the store's kind and geometry
     st, sliding = spec.store, spec.store.kind == "sliding"
     kept = kept_tokens(lp, tokens)

@@ -3,7 +3,8 @@
 Interface
     RUNGS                       the ladder, least lossy (and fastest) first
     candidates(policy) -> [(name, Policy | PolicyError)]
-    walk(policy, spec, batch, context, encoder_length=None) -> Plan      the chosen rung's Plan, with ``.rungs``
+    walk(policy, spec, batch, context, encoder_length=None, run=None, states=None) -> Plan
+        the chosen rung's Plan, with ``.rungs`` (``states``: the model's conv / recurrent states)
 
 The ladder (each rung costs more quality or more speed than the one before):
 
@@ -85,7 +86,7 @@ def candidates(auto: Policy) -> list[tuple[str, "Policy | PolicyError"]]:
     return out
 
 
-def walk(auto: Policy, spec, batch: int, context: int, encoder_length: int | None = None, run=None):
+def walk(auto: Policy, spec, batch: int, context: int, encoder_length: int | None = None, run=None, states=None):
     from tiercache.planner.concrete import plan_concrete
     from tiercache.planner.units import human
 
@@ -95,7 +96,7 @@ def walk(auto: Policy, spec, batch: int, context: int, encoder_length: int | Non
         if isinstance(cand, PolicyError):
             rungs.append(Rung(name, None, None, f"rejected: {cand}"))
             continue
-        p = plan_concrete(cand, spec, batch, context, encoder_length)
+        p = plan_concrete(cand, spec, batch, context, encoder_length, states=states)
         p.requested = auto
         if run is not None:  # the budget is known now: choose the prefill chunk against it
             run.attach(p)

@@ -2,7 +2,9 @@
 
 Interface: ``render(plan) -> str`` (``Plan.table()`` calls it). Consecutive layers with the same
 form, place and bytes share one row (``0-31``), so an 80-layer model stays readable; an
-encoder-decoder plan lists its cross-attention layers after the self-attention ones. For an auto
+encoder-decoder plan lists its cross-attention layers after the self-attention ones; a hybrid
+model's conv / recurrent states have their own line (device, exact, context-independent), or a
+note saying why they are not predicted. For an auto
 policy the candidate ladder comes first: every rung with its bytes and why it was chosen or not.
 """
 
@@ -35,9 +37,18 @@ def render(plan) -> str:
                      human(p.mirrors), "", ""])
     if p.workspace:
         rows.append(["", "", "workspace", "shared: one decode step dequantized", "device", "", human(p.workspace), "", ""])
-    rows.append(["", str(len(p.layers) + len(p.cross_layers)), "total held", "", "", "", *(human(p.bytes[t]) for t in TIERS)])
+    states = getattr(p, "states", None)
+    if states is not None:
+        rows.append(_states_row(p, states, human))
+    total = [human(p.bytes[t]) for t in TIERS]
+    if states is not None and states.unknown is not None:
+        total[0] += " + states (not predicted)"
+    rows.append(["", str(len(p.layers) + len(p.cross_layers)), "total held", "", "", "", *total])
     lines += _grid(["layers", "n", "type", "form", "history", "tokens", "device", "host", "disk"], rows)
     lines.append("")
+    if states is not None and states.unknown is not None:
+        lines.append(f"note: the conv / recurrent states are not predicted ({states.unknown}); the device total "
+                     "and the budget verdicts leave them out")
     if spec.cross_attention and p.encoder_length is None:
         lines.append("note: an encoder-decoder model; its cross-attention K/V are not counted: give --encoder-length "
                      "(plan(..., encoder_length=N))")
@@ -65,6 +76,18 @@ def _whole(p, human) -> list[str]:
     total = w.total
     rows.append(["total", "", ", ".join(f"{t} {human(total[t])}" for t in TIERS if total[t]), ""])
     return out + _grid(["line", "tier", "bytes", "note"], rows)
+
+
+def _states_row(p, states, human) -> list[str]:
+    """The conv / recurrent states line: device bytes, exact, the same at any context."""
+    n = str(sum(1 for i in range(p.model.num_layers) if p.model.states(i)))
+    if states.unknown is not None:
+        return ["", n, "conv / recurrent states", "exact, fixed size: NOT PREDICTED (see note)", "device", "",
+                "not predicted", "", ""]
+    if states.elsewhere is not None:
+        return ["", n, "conv / recurrent states", "kept by the model, not the cache", "device", "", human(0), "", ""]
+    return ["", n, "conv / recurrent states", "exact, fixed size (any context)", "device", "", human(p.state_bytes),
+            "", ""]
 
 
 def _rung_bytes(rung, human) -> list[str]:

@@ -12,7 +12,8 @@ Lines (device tier unless said):
 - ``weights``: from the model's shapes in the chosen format (``tiercache.planner.weights``), or a loaded
   model's parameters exactly;
 - ``kv cache``: the policy's layers at ``context`` tokens (``Plan.bytes``: device and host
-  tiers; disk for files), prefetch mirrors and the dequantization workspace included;
+  tiers; disk for files), prefetch mirrors, the dequantization workspace and a hybrid model's
+  conv / recurrent states (``Plan.state_bytes``) included;
 - ``cache growth``: the largest layer's resident bytes once more: a buffer that regrows (a full
   layer every 256 tokens, a quantized store at each flush, a ``DynamicCache`` at every step)
   holds its old and new memory for a moment; on the host tier for offloaded layers;
@@ -87,7 +88,8 @@ def whole(plan, arch, weights: str | None, chunk: int, device: str = "cuda", run
             cross = getattr(plan, "encoder_length", None)
             add("kv cache", tier, plan.bytes[tier], f"{plan.policy.name} at {plan.context_length} tokens"
                 + (f" + cross-attention at {cross} encoder tokens" if cross else "")
-                + (", mirrors and workspace included" if tier == "device" and (plan.mirrors or plan.workspace) else ""))
+                + (", mirrors and workspace included" if tier == "device" and (plan.mirrors or plan.workspace) else "")
+                + (", conv / recurrent states included" if tier == "device" and getattr(plan, "state_bytes", 0) else ""))
     growth = _growth(plan)
     for tier, n in growth.items():
         if n:

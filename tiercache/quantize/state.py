@@ -28,6 +28,18 @@ missing head of that block is filled with copies of the oldest given token befor
 quantized: those positions lie before the window and are never attended, but the block's
 scale spans them, so the visible part of that one block may differ slightly from a layer fed
 every token (documented; every other block and the residual are exactly as fed).
+
+The sliding rule, in full (``Policy.resolve`` decides which sliding layers are quantized: not one
+whose window fits in the residual, ``window - 1 <= residual_length``). A quantized sliding layer's
+state (packed rows, residual, counters; a buffer's allocated room aside) is a function of the
+tokens seen and the K/V of those it holds: one update, chunks, a prefill then single tokens,
+``load_state_dict``, ``adopt`` (retier within a block format) and ``ingest`` of every token all
+give the same bits. ``ingest`` from a source that lacks the tokens before the window (a
+full-precision sliding layer) gives the same bits too unless a block it keeps began before the
+window; only those rows differ, as above. No rule can close that gap while every token of the
+window stays attended: the fresh layer's record of that block's visible tokens is codes under a
+scale that spans the slid-out ones, and the source has the visible tokens exactly and the
+slid-out ones not at all (docs/compat.md, "A quantized sliding layer: one rule").
 """
 
 from __future__ import annotations
