@@ -216,7 +216,11 @@ def test_overrides_name_side_state_layers_as_attention_layers_and_plans_run():
     with pytest.raises(Exception, match="not an attention layer"):
         TieredCache.from_policy({"overrides": [{"layers": [0], "quantize": None}]}, m.config)
     for family in ("deepseek_v32", "deepseek_v4"):
-        assert plan(POLICIES["int4"], model(family).config, batch_size=1, context_length=64).bytes
+        p = plan(POLICIES["int4"], model(family).config, batch_size=1, context_length=64)
+        assert p.bytes["device"] > 0
+        table = p.table()  # the side state is not planned, and the plan says so rather than count it as 0
+        assert "+ side states (not planned)" in table and "keep a side state beside their K/V" in table
+    assert "side state" not in plan(POLICIES["int4"], "tiny", batch_size=1, context_length=64).table()
 
 
 def test_indexer_keys_grow_in_place_and_refuse_another_shape():

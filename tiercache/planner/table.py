@@ -43,12 +43,19 @@ def render(plan) -> str:
     total = [human(p.bytes[t]) for t in TIERS]
     if states is not None and states.unknown is not None:
         total[0] += " + states (not predicted)"
+    side = _side_state_layers(spec)
+    if side:
+        total[0] += " + side states (not planned)"
     rows.append(["", str(len(p.layers) + len(p.cross_layers)), "total held", "", "", "", *total])
     lines += _grid(["layers", "n", "type", "form", "history", "tokens", "device", "host", "disk"], rows)
     lines.append("")
     if states is not None and states.unknown is not None:
         lines.append(f"note: the conv / recurrent states are not predicted ({states.unknown}); the device total "
                      "and the budget verdicts leave them out")
+    if side:
+        lines.append(f"note: layers {_indices(side)} keep a side state beside their K/V (indexer keys of sparse "
+                     "attention, DeepSeek-V4's compressor state: exact, on the device); the plan does not count it, "
+                     "a built cache's nbytes() does")
     if spec.cross_attention and p.encoder_length is None:
         lines.append("note: an encoder-decoder model; its cross-attention K/V are not counted: give --encoder-length "
                      "(plan(..., encoder_length=N))")
@@ -76,6 +83,13 @@ def _whole(p, human) -> list[str]:
     total = w.total
     rows.append(["total", "", ", ".join(f"{t} {human(total[t])}" for t in TIERS if total[t]), ""])
     return out + _grid(["line", "tier", "bytes", "note"], rows)
+
+
+def _side_state_layers(spec) -> list[int]:
+    """Layers whose side state (``tiercache.cache.side_state``) the plan does not count."""
+    from tiercache.models.spec import SIDE_STATE_TYPES
+
+    return [i for i, t in enumerate(spec.layer_types) if t in SIDE_STATE_TYPES]
 
 
 def _states_row(p, states, human) -> list[str]:
