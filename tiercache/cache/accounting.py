@@ -1,12 +1,17 @@
 """Bytes a cache holds, from its holders (its layers and the buffers they share).
 
     summed(parts) -> {key: bytes}           dicts of bytes added key by key
+    by_place(tensors) -> {place: bytes}     bytes of tensors by where they lie (``place_of``)
+    plus_device(tiers, n) -> {tier: bytes}  ``tiers`` with ``n`` more device bytes (exact states kept on
+                                            the model's device; no ``device`` key added for 0)
     per_place(layers, shared) -> {place: bytes}   ``nbytes()``: ``cpu``, ``cuda:0``, ``disk`` ...
     per_tier(layers, shared) -> {tier: bytes}     ``tier_nbytes()``: ``device``, ``host``, ``disk``;
                                             the shared buffers (workspace, prefetch slots) are device bytes
 """
 
 from __future__ import annotations
+
+from tiercache.layers.tiers import place_of
 
 
 def summed(parts) -> dict[str, int]:
@@ -15,6 +20,14 @@ def summed(parts) -> dict[str, int]:
         for key, n in part.items():
             total[key] = total.get(key, 0) + n
     return total
+
+
+def by_place(tensors) -> dict[str, int]:
+    return summed({place_of(t.device): t.numel() * t.element_size()} for t in tensors)
+
+
+def plus_device(tiers: dict[str, int], n: int) -> dict[str, int]:
+    return summed([tiers, {"device": n}]) if n else dict(tiers)
 
 
 def per_place(layers, shared=None) -> dict[str, int]:

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import torch
 
+from tiercache.cache.accounting import by_place, plus_device, summed
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_repeats
 from tiercache.layers.state import expect, nest, part
-from tiercache.layers.tiers import place_of
 
 
 class SideState:
@@ -80,10 +80,7 @@ class SideState:
         return 0
 
     def nbytes(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for t in self.tensors().values():
-            out[place_of(t.device)] = out.get(place_of(t.device), 0) + t.numel() * t.element_size()
-        return out
+        return by_place(self.tensors().values())
 
 
 class WithSideState(KVLayer):
@@ -172,18 +169,11 @@ class WithSideState(KVLayer):
 
     # -- accounting -----------------------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:
-        out = dict(self.attention.nbytes())
-        for place, n in self.side.nbytes().items():
-            out[place] = out.get(place, 0) + n
-        return out
+        return summed([self.attention.nbytes(), self.side.nbytes()])
 
     def tier_nbytes(self) -> dict[str, int]:
         """The side state is device bytes (it stays on the model's device)."""
-        out = dict(self.attention.tier_nbytes())
-        size = self.side_nbytes()
-        if size:
-            out["device"] = out.get("device", 0) + size
-        return out
+        return plus_device(self.attention.tier_nbytes(), self.side_nbytes())
 
     def side_nbytes(self) -> int:
         """Bytes of the side state alone (part of ``nbytes()``)."""

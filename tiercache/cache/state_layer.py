@@ -34,10 +34,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
+from tiercache.cache.accounting import by_place, plus_device, summed
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.state import expect, field, nest, part
-from tiercache.layers.tiers import place_of
 
 _KINDS = ("conv", "recurrent")
 
@@ -176,21 +176,16 @@ class StateLayer(KVLayer):
 
     # -- accounting -----------------------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:
-        out = dict(self.attention.nbytes()) if self.attention is not None else {}
-        for t in self._tensors().values():
-            out[place_of(t.device)] = out.get(place_of(t.device), 0) + t.numel() * t.element_size()
-        return out
+        return summed([self.attention.nbytes() if self.attention is not None else {},
+                       by_place(self._tensors().values())])
 
     def tier_nbytes(self) -> dict[str, int]:
-        out = dict(self.attention.tier_nbytes()) if self.attention is not None else {}
-        size = sum(t.numel() * t.element_size() for t in self._tensors().values())
-        if size:
-            out["device"] = out.get("device", 0) + size
-        return out
+        """The states are device bytes (they stay on the model's device)."""
+        return plus_device(self.attention.tier_nbytes() if self.attention is not None else {}, self.state_nbytes())
 
     def state_nbytes(self) -> int:
         """Bytes of the conv / recurrent states alone (part of ``nbytes()``)."""
-        return sum(t.numel() * t.element_size() for t in self._tensors().values())
+        return sum(by_place(self._tensors().values()).values())
 
     def batch_size(self) -> int | None:
         batch = None if self.attention is None else self.attention.batch_size()
