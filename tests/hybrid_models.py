@@ -157,3 +157,45 @@ def build(model_type: str, seed: int = 0, generic: bool = False, max_params: int
             raise ValueError(f"{n} parameters with small sizes (over {max_params})")
     torch.manual_seed(seed)
     return model_class(model_type)(cfg).eval()
+
+
+# -- driving a built model with a cache (the hybrid and indexed tests) ------------------------------------
+NEW = 4  # tokens generate() adds
+
+
+def ids(length: int = 6, seed: int = 1, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, 100, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def generate(m, cache):
+    from tiercache.cache.compat import cache_arg
+
+    return m.generate(ids(), **cache_arg(cache), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+
+
+def prefilled(m, policy, length: int = 6, batch: int = 1):
+    """A fresh ``TieredCache`` of ``policy`` after a prompt of ``length`` tokens, and the next token."""
+    from tiercache import TieredCache
+    from tiercache.cache.compat import cache_arg
+
+    cache = TieredCache.from_policy(policy, m.config)
+    with torch.no_grad():
+        logits = m(ids(length, batch=batch), **cache_arg(cache), use_cache=True).logits[:, -1:]
+    return cache, logits.argmax(-1)
+
+
+def decode(m, cache, nxt, steps: int = 3) -> list[torch.Tensor]:
+    """The logits of ``steps`` greedy decode steps from ``nxt``."""
+    from tiercache.cache.compat import cache_arg
+
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = m(nxt, **cache_arg(cache), use_cache=True).logits[:, -1:]
+            out.append(logits)
+            nxt = logits.argmax(-1)
+    return out
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hybrid_models import HYBRID, build
+from hybrid_models import HYBRID, build, decode, generate, ids, prefilled, same
 from tiercache import CacheError, PolicyError, TieredCache
 from tiercache.cache.compat import cache_arg
 from tiercache.cache.state_layer import StateLayer
@@ -22,7 +22,6 @@ from tiercache.cache.state_layer import StateLayer
 Q = {"backend": "native", "bits": 4, "group_size": 4, "residual_length": 4}
 POLICIES = {"fp": {"name": "fp"}, "offload": {"name": "cpu", "offload": {"device": "cpu"}},
             "int4": {"name": "int4", "quantize": Q}}
-NEW = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,12 +29,6 @@ def model(family: str):
     return build(family)
 
 
-def ids(length: int = 6, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, 100, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-def generate(m, cache):
-    return m.generate(ids(), **cache_arg(cache), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
 
 
 def ref_state_bytes(cache: DynamicCache) -> int:
@@ -67,25 +60,7 @@ def test_family_gives_dynamic_cache_tokens_and_runs_int4(family):
         assert cache.tier_nbytes().get("device", 0) >= states  # the states stay on the model's device
 
 
-def prefilled(m, policy, length: int = 6):
-    cache = TieredCache.from_policy(policy, m.config)
-    with torch.no_grad():
-        logits = m(ids(length), **cache_arg(cache), use_cache=True).logits[:, -1:]
-    return cache, logits.argmax(-1)
 
-
-def decode(m, cache, nxt, steps: int = 3) -> list[torch.Tensor]:
-    out = []
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = m(nxt, **cache_arg(cache), use_cache=True).logits[:, -1:]
-            out.append(logits)
-            nxt = logits.argmax(-1)
-    return out
-
-
-def same(a: list, b: list) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 LIFECYCLE = ["jamba", "falcon_h1", "lfm3", "nemotron_h", "mamba"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hybrid_models import COMPRESSED, INDEXED, build
+from hybrid_models import COMPRESSED, INDEXED, build, decode, generate, ids, prefilled, same
 from tiercache import CacheError, TieredCache, plan
 from tiercache.cache.compat import cache_arg
 from tiercache.cache.compressed_layer import CompressedLayer
@@ -26,7 +26,6 @@ V4_OFFLOAD = [{"layer_type": t, "offload": {"device": "cpu"}}  # sliding layers 
               for t in ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")]
 POLICIES = {"fp": {"name": "fp"}, "offload": {"name": "cpu", "offload": {"device": "cpu"}, "overrides": []},
             "static": {"name": "static", "storage": "static", "max_length": 32}, "int4": {"name": "int4", "quantize": Q}}
-NEW = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,12 +40,6 @@ def policy(family: str, name: str) -> dict:
     return p
 
 
-def ids(length: int = 6, seed: int = 1, batch: int = 1) -> torch.Tensor:
-    return torch.randint(3, 100, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def generate(m, cache):
-    return m.generate(ids(), **cache_arg(cache), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
 
 
 def side_layers(cache) -> list[WithSideState]:
@@ -104,25 +97,7 @@ def test_deepseek_v4_int4_quantizes_the_windows_and_keeps_the_compressor_state_e
     assert caches["int4"].layers[0].attention.nbytes() != caches["fp"].layers[0].attention.nbytes()
 
 
-def prefilled(m, pol, length: int = 6, batch: int = 1):
-    cache = TieredCache.from_policy(pol, m.config)
-    with torch.no_grad():
-        logits = m(ids(length, batch=batch), **cache_arg(cache), use_cache=True).logits[:, -1:]
-    return cache, logits.argmax(-1)
 
-
-def decode(m, cache, nxt, steps: int = 3) -> list[torch.Tensor]:
-    out = []
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = m(nxt, **cache_arg(cache), use_cache=True).logits[:, -1:]
-            out.append(logits)
-            nxt = logits.argmax(-1)
-    return out
-
-
-def same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "qwen4_exp_text", "deepseek_v4"])

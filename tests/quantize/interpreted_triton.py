@@ -26,25 +26,13 @@ from tiercache.cache.chain import Shared  # noqa: E402
 from tiercache.policy.schema import QuantizePolicy  # noqa: E402
 from tiercache.quantize import packed_attention, packed_triton  # noqa: E402
 from tiercache.quantize.packed_kv import PackedKV  # noqa: E402
-from tests.quantize.quantized import quantized  # noqa: E402
+from tests.quantize.quantized import PACKED_LAYOUTS, quantized  # noqa: E402
 
 B, H, D = 2, 2, 32
 G, R = 16, 16
 TOL = 1e-5
 
-LAYOUTS = [  # every integer layout of test_packed_attention.py (fp8 is declined: test_packed_triton.py)
-    pytest.param(dict(bits=4), id="int4"),
-    pytest.param(dict(bits=2), id="int2"),
-    pytest.param(dict(bits=8), id="int8"),
-    pytest.param(dict(bits=4, key_axis="token"), id="int4-keys-token"),
-    pytest.param(dict(bits=2, key_axis="token", value_axis="channel"), id="int2-keys-token-values-channel"),
-    pytest.param(dict(bits=4, value_axis="channel"), id="int4-values-channel"),
-    pytest.param(dict(bits=4, meta_bits=8), id="int4-meta8"),
-    pytest.param(dict(bits=2, meta_bits=8, key_axis="token"), id="int2-meta8-keys-token"),
-    pytest.param(dict(bits=4, sink_tokens=4), id="int4-sinks"),
-    pytest.param(dict(bits=2, key_bits=4, key_gain=1.5, sink_tokens=3), id="K4V2-gain-sinks"),
-    pytest.param(dict(bits=4, clip="mse"), id="int4-clip"),
-]
+LAYOUTS = [p for p in PACKED_LAYOUTS if p.id != "fp8"]  # fp8 is declined: test_packed_triton.py
 STORAGE = [
     pytest.param({}, id="full"),
     pytest.param(dict(max_length=256), id="static"),

@@ -20,26 +20,13 @@ from tiercache.cache.chain import Shared
 from tiercache.quantize import packed_attention, packed_cpu
 from tiercache.quantize.packed_kv import PackedKV
 from tiercache.policy.schema import QuantizePolicy
-from tests.quantize.quantized import quantized
+from tests.quantize.quantized import PACKED_LAYOUTS, quantized
 
 B, H, D = 2, 2, 32
 G, R = 16, 16
 TOL = 1e-5
 
-LAYOUTS = [
-    pytest.param(dict(bits=4), id="int4"),
-    pytest.param(dict(bits=2), id="int2"),
-    pytest.param(dict(bits=8), id="int8"),
-    pytest.param(dict(bits=4, key_axis="token"), id="int4-keys-token"),
-    pytest.param(dict(bits=2, key_axis="token", value_axis="channel"), id="int2-keys-token-values-channel"),
-    pytest.param(dict(bits=4, value_axis="channel"), id="int4-values-channel"),
-    pytest.param(dict(bits=4, meta_bits=8), id="int4-meta8"),
-    pytest.param(dict(bits=2, meta_bits=8, key_axis="token"), id="int2-meta8-keys-token"),
-    pytest.param(dict(bits=8, format="fp8"), id="fp8"),
-    pytest.param(dict(bits=4, sink_tokens=4), id="int4-sinks"),
-    pytest.param(dict(bits=2, key_bits=4, key_gain=1.5, sink_tokens=3), id="K4V2-gain-sinks"),
-    pytest.param(dict(bits=4, clip="mse"), id="int4-clip"),
-]
+LAYOUTS = PACKED_LAYOUTS
 STORAGE = [
     pytest.param({}, id="full"),
     pytest.param(dict(max_length=512), id="static"),
