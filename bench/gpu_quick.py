@@ -1,0 +1,290 @@
+"""The checks of ``bench/gpu_quick.sh`` that have no benchmark of their own, one subcommand each.
+
+    python3 bench/gpu_quick.py env                # versions, device, memory bandwidth
+    python3 bench/gpu_quick.py profile            # 20 int4 decode steps of one 8B-shaped layer at 32k
+    python3 bench/gpu_quick.py persist            # save, load(device="cuda"), update, compare
+    python3 bench/gpu_quick.py offload            # offloaded decode at batch 2 across 256-token boundaries
+    python3 bench/gpu_quick.py <cmd> --dry-run    # tiny shapes on the CPU: the script runs (tests use it)
+
+Every subcommand prints a short markdown report (the shell script tees it into ``$OUT``) and exits
+0 when it measured what it says, 1 when a check failed. Only torch, transformers and tiercache's
+own dependencies are imported: the device image has no serving, quanto, hqq or redis packages.
+
+- ``env``: python, torch, CUDA, transformers, triton versions; the device's name, memory, SM count
+  and its peak memory bandwidth (from the memory clock and bus width torch reports, when it does),
+  which ``bench_packed_triton.py --bandwidth`` divides by.
+- ``profile``: one attention layer shaped like Llama-3-8B's (8 K/V heads of 128, 32 query heads,
+  bf16) quantized to int4 (native, KIVI, group 64, residual 128), filled to ``--context`` tokens,
+  then ``--steps`` decode steps (``update`` + SDPA on the returned packed K/V) under the torch
+  profiler: kernel launches per step (``cudaLaunchKernel`` and friends, Triton's included), CPU ms
+  per step (wall clock, synchronized once at the end) and the GPU ms the kernels took, and the
+  ten ops that launched most. On the CPU, ops per step stand in for launches.
+- ``persist``: a small full-precision and an int4 cache filled on the device, saved, loaded back
+  with ``device="cuda"`` (no index), then updated: the loaded cache must accept the update and
+  give the same K/V as the original given the same update.
+- ``offload``: a random 8B-shaped (few layers) model, cache offloaded to pinned host memory with
+  prefetch, batch 2, decoding from just before a 256-token boundary across several: per-step times
+  (histogram: median, p90, max; the steps that cross a boundary marked), the offload counters
+  (``host_waits``, bytes each way per token), ``memory_allocated`` / ``memory_reserved`` at the
+  end and their peaks. A regrowth that copies or fragments shows as slow boundary steps and a
+  reserved / allocated ratio far above 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPE_8B = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096,
+                intermediate_size=14336, vocab_size=128256)
+SHAPE_TINY = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64,
+                  intermediate_size=128, vocab_size=256)
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaMemcpyAsync",
+            "cudaMemsetAsync")
+
+
+def device_of(args):
+    import torch
+
+    if args.dry_run:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_quick.py: no CUDA GPU visible to torch (use --dry-run on a CPU)")
+    return torch.device("cuda")
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- env -----------------------------------------------------------------------------------------
+def cmd_env(args) -> int:
+    import torch
+    import transformers
+
+    try:
+        import triton
+
+        tri = triton.__version__
+    except ImportError:
+        tri = "not installed"
+    print(f"- python {platform.python_version()} ({sys.executable})")
+    print(f"- torch {torch.__version__} (CUDA {torch.version.cuda}); transformers {transformers.__version__}; triton {tri}")
+    import tiercache
+
+    print(f"- tiercache from {Path(tiercache.__file__).parent}")
+    if args.dry_run or not torch.cuda.is_available():
+        print("- device: cpu (dry run)" if args.dry_run else "- device: no CUDA GPU visible to torch")
+        return 0 if args.dry_run else 1
+    props = torch.cuda.get_device_properties(0)
+    from bench_packed_triton import peak_gbs  # bench/ is on sys.path when run as a script
+
+    bw = peak_gbs(torch.device("cuda", 0))
+    print(f"- device: {props.name}, {props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} SMs, "
+          f"compute {props.major}.{props.minor}; peak bandwidth {'unknown' if bw is None else f'{bw:.0f} GB/s'}")
+    return 0
+
+
+# -- profile -------------------------------------------------------------------------------------
+def int4_layer(group: int, residual: int):
+    from tiercache.cache.chain import Shared, build
+    from tiercache.cache.chainspec import spec_for
+    from tiercache.policy.schema import LayerPolicy, QuantizePolicy
+
+    q = QuantizePolicy(bits=4, group_size=group, residual_length=residual)
+    return build(spec_for(LayerPolicy(0, "full_attention", "full", None, None, q, None)), Shared())
+
+
+def cmd_profile(args) -> int:
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    device = device_of(args)
+    shape = SHAPE_TINY if args.dry_run else SHAPE_8B
+    context = 256 if args.dry_run else args.context
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    b, h, hkv, d = 1, shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*s):
+        return torch.randn(*s, generator=g, device=device, dtype=torch.float32).to(dtype)
+
+    group, residual = (16, 16) if args.dry_run else (64, 128)
+    layer = int4_layer(group, residual)
+    layer.append(rand(b, hkv, context, d), rand(b, hkv, context, d))  # [B, Hkv, T, D]
+    q = rand(b, h, 1, d)
+    steps = [(rand(b, hkv, 1, d), rand(b, hkv, 1, d)) for _ in range(args.steps + 5)]
+
+    def step(k1, v1):
+        k, v = layer.append(k1, v1)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    for k1, v1 in steps[:5]:  # warm-up: Triton compiles on first launch
+        step(k1, v1)
+    sync(device)
+    start = time.perf_counter()
+    for k1, v1 in steps[5:]:
+        step(k1, v1)
+    sync(device)
+    cpu_ms = (time.perf_counter() - start) * 1e3 / args.steps
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    more = [(rand(b, hkv, 1, d), rand(b, hkv, 1, d)) for _ in range(args.steps)]
+    with profile(activities=acts) as prof:
+        for k1, v1 in more:
+            step(k1, v1)
+        sync(device)
+    events = prof.key_averages()
+    n = args.steps
+    launches = sum(e.count for e in events if e.key in LAUNCHES) / n
+    aten = sum(e.count for e in events if e.key.startswith("aten::")) / n
+    gpu_ms = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e3 / n
+    print(f"- layer: {hkv} K/V heads x {d}, {h} query heads, {dtype}, int4 g{group} r{residual}, context {context}, {n} steps")
+    print(f"- CPU wall ms per step (update + attention): {cpu_ms:.3f}")
+    print(f"- kernel launches per step: {launches:.1f}" if device.type == "cuda" else "- kernel launches: (CPU run)")
+    print(f"- aten ops per step: {aten:.1f}")
+    if device.type == "cuda":
+        print(f"- GPU kernel ms per step: {gpu_ms:.3f}")
+    print("\n| op | calls per step | CPU ms per step |\n|---|---|---|")
+    top = sorted((e for e in events if e.key.startswith(("aten::", "cuda", "cu"))), key=lambda e: -e.count)[:12]
+    for e in top:
+        print(f"| {e.key} | {e.count / n:.1f} | {e.cpu_time_total / 1e3 / n:.3f} |")
+    return 0
+
+
+# -- persist -------------------------------------------------------------------------------------
+def cmd_persist(args) -> int:
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig
+
+    import tiercache
+
+    device = device_of(args)
+    config = LlamaConfig(num_hidden_layers=2, **SHAPE_TINY)
+    where = "cpu" if device.type == "cpu" else "cuda"  # no index: the case that must work
+    policies = {"full precision": {"name": "fp"},
+                "int4": {"name": "int4", "quantize": {"bits": 4, "group_size": 16, "residual_length": 16}}}
+    g = torch.Generator(device=device).manual_seed(0)
+    failed = 0
+    for label, pol in policies.items():
+        cache = tiercache.TieredCache.from_policy(pol, config)
+        for layer in range(2):
+            cache.update(torch.randn(1, 2, 100, 16, generator=g, device=device),
+                         torch.randn(1, 2, 100, 16, generator=g, device=device), layer)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "cache"
+            cache.save(path)
+            try:
+                loaded = tiercache.TieredCache.load(path, config, device=where)
+                k1 = torch.randn(1, 2, 1, 16, generator=g, device=device)
+                v1 = torch.randn(1, 2, 1, 16, generator=g, device=device)
+                got = loaded.update(k1, v1, 0)
+                want = cache.update(k1, v1, 0)
+                same = all(torch.equal(_plain(a), _plain(b)) for a, b in zip(got, want))
+                print(f"- {label}: save, load(device={where!r}), update: {'same K/V' if same else 'K/V DIFFER'}")
+                failed += not same
+            except Exception as e:  # reported, not raised: the next check still runs
+                print(f"- {label}: FAILED: {type(e).__name__}: {e}")
+                failed += 1
+    return 1 if failed else 0
+
+
+def _plain(t):
+    return t.plain() if hasattr(t, "plain") else t
+
+
+# -- offload -------------------------------------------------------------------------------------
+def cmd_offload(args) -> int:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tiercache
+    from tiercache.cache.compat import cache_arg
+
+    device = device_of(args)
+    shape = SHAPE_TINY if args.dry_run else SHAPE_8B
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    layers = 2 if args.dry_run else args.layers
+    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=8192, dtype=dtype, **shape)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    policy = {"name": "offload", "offload": {"device": "cpu", "prefetch": 1, "pin_memory": device.type == "cuda"}}
+    start_len = 250  # just before the first 256-token boundary
+    new = 40 if args.dry_run else args.new
+    ids = torch.randint(3, shape["vocab_size"], (2, start_len), device=device)  # [B=2, T]
+    cache = tiercache.TieredCache.from_policy(policy, config)
+    times, lengths = [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        out = model(ids, **cache_arg(cache), use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        sync(device)
+        for _ in range(new):
+            t0 = time.perf_counter()
+            out = model(nxt, **cache_arg(cache), use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            lengths.append(cache.get_seq_length())
+    stats = cache.offload_stats()
+    cross = [t for t, n in zip(times, lengths) if n % 256 == 0]
+    steady = [t for t, n in zip(times, lengths) if n % 256 != 0][2:]
+    q = sorted(steady)
+    print(f"- model: random Llama, {layers} layers, {shape['num_key_value_heads']} K/V heads x {shape['head_dim']}, "
+          f"{dtype}, batch 2; offload cpu prefetch 1; {start_len} -> {start_len + new} tokens")
+    print(f"- step ms: median {statistics.median(q):.2f}, p90 {q[int(0.9 * (len(q) - 1))]:.2f}, max {max(times):.2f}; "
+          f"steps at a 256-token boundary: {', '.join(f'{t:.2f}' for t in cross) or 'none'}")
+    hist = _histogram(times)
+    print("- histogram (ms: steps): " + "; ".join(f"{lo:.2f}-{hi:.2f}: {c}" for lo, hi, c in hist))
+    per_tok = max(1, new)
+    print(f"- host_waits {stats['host_waits']}; bytes to the device per token {stats['bytes_h2d'] / per_tok:,.0f}; "
+          f"to the host {stats['bytes_d2h'] / per_tok:,.0f}; fetches {stats['fetches']}")
+    if device.type == "cuda":
+        print(f"- memory_allocated {torch.cuda.memory_allocated() / 2**20:.1f} MiB, memory_reserved "
+              f"{torch.cuda.memory_reserved() / 2**20:.1f} MiB; peaks {torch.cuda.max_memory_allocated() / 2**20:.1f} / "
+              f"{torch.cuda.max_memory_reserved() / 2**20:.1f} MiB")
+    print(f"- cache bytes per place: {cache.nbytes()}")
+    return 0
+
+
+def _histogram(values, bins: int = 6):
+    lo, hi = min(values), max(values)
+    width = (hi - lo) / bins or 1.0
+    counts = [0] * bins
+    for x in values:
+        counts[min(bins - 1, int((x - lo) / width))] += 1
+    return [(lo + i * width, lo + (i + 1) * width, c) for i, c in enumerate(counts) if c]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("command", choices=("env", "profile", "persist", "offload"))
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--context", type=int, default=32768, help="profile: tokens in the layer")
+    ap.add_argument("--steps", type=int, default=20, help="profile: decode steps profiled")
+    ap.add_argument("--layers", type=int, default=8, help="offload: model layers")
+    ap.add_argument("--new", type=int, default=300, help="offload: decode steps")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_grad_enabled(False)
+    return {"env": cmd_env, "profile": cmd_profile, "persist": cmd_persist, "offload": cmd_offload}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
