@@ -19,6 +19,9 @@ own dependencies are imported: the device image has no serving, quanto, hqq or r
   profiler: kernel launches per step (``cudaLaunchKernel`` and friends, Triton's included), CPU ms
   per step (wall clock, synchronized once at the end) and the GPU ms the kernels took, and the
   ten ops that launched most. On the CPU, ops per step stand in for launches.
+  Then the same 32k context through a few layers of a whole 8B-shaped model, decoded with
+  ``DynamicCache`` and with the shipped ``default``, ``int4-kivi`` and ``offload-cpu`` policies:
+  wall ms, launches and GPU ms per step, and the kernels and CPU ops that took most.
 - ``persist``: a small full-precision and an int4 cache filled on the device, saved, loaded back
   with ``device="cuda"`` (no index), then updated: the loaded cache must accept the update and
   give the same K/V as the original given the same update.
@@ -159,6 +162,64 @@ def cmd_profile(args) -> int:
     top = sorted((e for e in events if e.key.startswith(("aten::", "cuda", "cu"))), key=lambda e: -e.count)[:12]
     for e in top:
         print(f"| {e.key} | {e.count / n:.1f} | {e.cpu_time_total / 1e3 / n:.3f} |")
+    del layer
+    return profile_model(args, device)
+
+
+MODEL_CACHES = ("DynamicCache", "default", "int4-kivi", "offload-cpu")
+
+
+def profile_model(args, device) -> int:
+    """Whole-model decode steps per cache: where a step's time goes (launches, CPU, GPU, top kernels)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    import tiercache
+    from tiercache.cache.compat import cache_arg
+    from tiercache.cache.prefill import prefill
+
+    shape = SHAPE_TINY if args.dry_run else SHAPE_8B
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    context = 256 if args.dry_run else args.context
+    layers = 2 if args.dry_run else args.model_layers
+    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=context + 64, dtype=dtype, **shape)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    ids = torch.randint(3, shape["vocab_size"], (1, context), device=device)  # [1, T]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    print(f"\n### Whole-model decode: random Llama, {layers} layers of the 8B shape, {dtype}, context {context}, "
+          f"{args.model_steps} steps profiled per cache\n")
+    print("| cache | wall ms / step | launches / step | GPU ms / step | top GPU kernels (ms / step) | top CPU ops (self ms / step) |")
+    print("|---|---|---|---|---|---|")
+    for name in MODEL_CACHES:
+        if name == "DynamicCache":
+            cache = DynamicCache(config=config)
+        else:
+            cache = tiercache.TieredCache.from_policy(ROOT / "configs" / f"{name}.yaml", config)
+        prefill(model, ids, cache, 2048)
+        nxt = ids[:, -1:]
+        for _ in range(3):  # warm-up
+            nxt = model(nxt, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
+        sync(device)
+        with profile(activities=acts) as prof:
+            start = time.perf_counter()
+            for _ in range(args.model_steps):
+                nxt = model(nxt, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
+            sync(device)
+            wall = (time.perf_counter() - start) * 1e3 / args.model_steps
+        ev, n = prof.key_averages(), args.model_steps
+        launches = sum(e.count for e in ev if e.key in LAUNCHES) / n
+        gpu = [(getattr(e, "self_device_time_total", 0) or 0, e.key) for e in ev]
+        top_gpu = ", ".join(f"{k[:40]} {t / 1e3 / n:.2f}" for t, k in sorted(gpu, reverse=True)[:3] if t)
+        top_cpu = ", ".join(f"{e.key[:32]} {e.self_cpu_time_total / 1e3 / n:.2f}"
+                            for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:3])
+        print(f"| {name} | {wall:.2f} | {launches:.0f} | {sum(t for t, _ in gpu) / 1e3 / n:.2f} | {top_gpu or '-'} | {top_cpu} |")
+        del cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return 0
 
 
@@ -278,6 +339,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=32768, help="profile: tokens in the layer")
     ap.add_argument("--steps", type=int, default=20, help="profile: decode steps profiled")
     ap.add_argument("--layers", type=int, default=8, help="offload: model layers")
+    ap.add_argument("--model-layers", type=int, default=4, help="profile: layers of the whole-model comparison")
+    ap.add_argument("--model-steps", type=int, default=5, help="profile: decode steps profiled per cache")
     ap.add_argument("--new", type=int, default=300, help="offload: decode steps")
     args = ap.parse_args(argv)
     import torch
