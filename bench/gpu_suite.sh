@@ -1,48 +1,49 @@
 #!/usr/bin/env bash
-# The GPU suite: on a CUDA machine, run the CUDA tests, then the long-context table
-# (bench/bench_longctx.py: 8B-shaped random bf16 model at 32k and 128k tokens, chunked prefill,
-# transformers' caches and ours, prefill s, decode tok/s, peak device memory, 24 GB cap) and the
-# offload benchmark on the GPU. Results go to $OUT (default out/gpu).
+# The long GPU run, after bench/gpu_quick.sh has passed: the CUDA tests, the long-context table at
+# 128k (bench/bench_longctx.py: 8B-shaped random bf16 model, chunked prefill, transformers' caches
+# and ours: prefill s, decode tok/s, peak device memory, 24 GB cap), planned vs measured memory and
+# the offload benchmark, the Triton kernel from 1k to 32k. Each step under its own `timeout` and
+# with its own output file, so one hang or failure costs only that step; the steps' limits add up
+# to more than one 10-minute device call: STEPS picks some (e.g. STEPS="longctx128k" for one call,
+# then STEPS="memory offload triton"). Results in $OUT (default out/gpu).
 #
 #   bench/gpu_suite.sh             # needs a CUDA GPU
-#   bench/gpu_suite.sh --dry-run   # a tiny shape on the CPU: checks that the suite runs (tests use it)
+#   bench/gpu_suite.sh --dry-run   # tiny shapes on the CPU: checks that the suite runs (tests use it)
 #
-# PYTHON picks the interpreter (default: .venv/bin/python if present, else python).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-if [ -z "${PYTHON:-}" ]; then
-  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
-fi
-OUT=${OUT:-out/gpu}
-DRY=0
-for arg in "$@"; do
-  case "$arg" in
-    --dry-run) DRY=1 ;;
-    *) echo "gpu_suite.sh: unknown argument $arg (allowed: --dry-run)" >&2; exit 2 ;;
+# PYTHON picks the interpreter (default python3, the device image's).
+NAME=gpu_suite.sh DEFAULT_OUT=out/gpu
+source "$(dirname "$0")/gpu_steps.sh"
+STEPS=${STEPS:-tests longctx128k memory offload triton}
+
+for s in $STEPS; do
+  case $s in
+    tests) cuda_tests 120 cuda-tests.txt ;;
+    longctx128k)
+      if [ "$DRY" = 1 ]; then
+        step longctx128k 120 longctx.md "$PYTHON" bench/bench_longctx.py --dry-run --out "$OUT"
+      else
+        step longctx128k 560 longctx.md "$PYTHON" bench/bench_longctx.py --device cuda --contexts 131072 --out "$OUT"
+      fi ;;
+    memory)
+      if [ "$DRY" = 1 ]; then
+        skip memory "bench_memory.py --device cuda has no CPU dry run"
+      else
+        step memory 240 memory.md "$PYTHON" bench/bench_memory.py --device cuda --context 32768 --out "$OUT"
+      fi ;;
+    offload)
+      if [ "$DRY" = 1 ]; then
+        step offload 120 offload.md "$PYTHON" bench/bench_offload.py --context 256 --new 8
+      else
+        step offload 240 offload.md "$PYTHON" bench/bench_offload.py --device cuda --layers 32 --kv-heads 8 \
+          --head-dim 128 --hidden 1024 --context 32768
+      fi ;;
+    triton)
+      if "$PYTHON" -c "import triton" 2>/dev/null; then
+        step triton 240 packed-triton.md "$PYTHON" bench/bench_packed_triton.py --json "$OUT/packed-triton.json" "${DRYFLAG[@]}"
+      else
+        skip triton "triton is not installed"
+      fi ;;
+    *) echo "gpu_suite.sh: unknown step $s (allowed: tests longctx128k memory offload triton)" >&2; exit 2 ;;
   esac
 done
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
-if [ "$DRY" = 1 ]; then
-  echo "== dry run (CPU, tiny shape); on a GPU this step runs: TIERCACHE_TEST_CUDA=1 $PYTHON -m pytest -q -m cuda tests"
-  "$PYTHON" bench/bench_longctx.py --dry-run --out "$OUT"
-  exit 0
-fi
-
-if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "gpu_suite.sh: no CUDA GPU visible to torch; use --dry-run on a CPU" >&2
-  exit 1
-fi
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt" || true
-echo "== CUDA tests"
-TIERCACHE_TEST_CUDA=1 "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests | tee "$OUT/cuda-tests.txt"
-echo "== long-context table (32k, 128k)"
-"$PYTHON" bench/bench_longctx.py --device cuda --contexts 32768,131072 --out "$OUT" | tee "$OUT/longctx.md"
-echo "== planned vs max_memory_allocated (bench_memory.py --device cuda, 32k)"
-"$PYTHON" bench/bench_memory.py --device cuda --context 32768 --out "$OUT" | tee "$OUT/memory.md"
-echo "== offload benchmark on the GPU"
-"$PYTHON" bench/bench_offload.py --device cuda --layers 32 --kv-heads 8 --head-dim 128 --hidden 1024 \
-  --context 32768 | tee "$OUT/offload.md"
-echo "== packed attention: the Triton kernel vs dequantize-then-SDPA and DynamicCache (1k-32k)"
-"$PYTHON" bench/bench_packed_triton.py --json "$OUT/packed-triton.json" | tee "$OUT/packed-triton.md"
+finish

@@ -104,18 +104,22 @@ def test_a_bad_setup_is_refused_before_the_model_loads(script, tmp_path):
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_gpu_suite_dry_run(tmp_path):
-    """bench/gpu_suite.sh --dry-run: the long-context table on a tiny shape, on the CPU."""
+    """bench/gpu_suite.sh --dry-run: the long-context table on a tiny shape (quanto included: this
+    venv has it), on the CPU; the summary names each step's outcome, a step with no dry run skipped."""
     import os
 
-    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path))
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path), STEPS="longctx128k memory")
     out = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), "--dry-run"], capture_output=True, text=True,
-                         timeout=600, env=env)
+                         timeout=1500, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     for cache in ("| DynamicCache | 96 |", "| QuantizedCache quanto int4 | 160 |", "| tiered-int4-offload | 160 |",
                   "skipped: offloading=True needs CUDA"):
         assert cache in out.stdout, out.stdout[-3000:]
     assert (tmp_path / "longctx.json").is_file()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| longctx128k | ok |" in summary and "| memory | skipped" in summary, summary
 
 
 def test_upgrade_search_from_saved_gains(tmp_path):
