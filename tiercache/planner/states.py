@@ -1,4 +1,4 @@
-"""Bytes of a hybrid model's conv / recurrent states, predicted from its config (issue 31).
+"""Bytes of a hybrid model's conv / recurrent states, predicted from its config.
 
 Interface
     state_plan(spec, config) -> StatePlan | None
