@@ -28,7 +28,7 @@ for their *decoder*, whose layers are what the cache holds: ``decoder_layers`` /
 heads`` (``decoder_view``), or a composite config's own ``decoder`` config (``EncoderDecoderConfig``:
 BERT to GPT-2 ...); ``cross_attention`` is then True: each decoder layer also caches the
 encoder output's K/V, of the same ``kv_shape(i)`` (``TieredCache.for_encoder_decoder``).
-Hybrid and recurrent models (issue 31): besides attention layers a config may name layers that
+Hybrid and recurrent models: besides attention layers a config may name layers that
 keep a fixed-size state instead of K/V (``linear_attention``: Mamba, gated delta nets ...;
 ``conv``: LFM), layers with both (``hybrid`` / ``hybrid_sliding``: Falcon-H1, Zamba) and layers
 with neither (``mlp`` / ``moe``: Nemotron-H), as transformers' ``DynamicCache`` reads them:
