@@ -5,7 +5,7 @@
 
 ``--model`` is loaded by ``tiercache.models.load.load_model`` (``tiny``, ``tiny-random``, a path or a
 hub id), on CUDA when present. ``--policy`` is the serving policy (rung 0; default full
-precision); ``--store`` the budget and ladder (``configs/serve/store.yaml``; default ``config.DEFAULT``);
+precision); ``--store`` the budget and ladder (``configs/serve/store.yaml``; default ``config.DEFAULT_BUDGET`` and ``DEFAULT_LADDER``);
 ``--no-store`` keeps nothing between requests; ``--persist DIR`` saves entries on shutdown and
 loads them (checked) on start (``tiercache.serve.persist``): ``close_store`` saves only once the
 worker's thread has ended, and keeps on disk what the start refused. ``--api-key KEY`` (or
