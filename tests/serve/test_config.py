@@ -47,7 +47,7 @@ def test_the_example_ladder_moves_a_cache_down_and_back():
 
 
 @pytest.mark.parametrize("data, words", [
-    ({"budget": {"gpu": "1GiB"}}, "store.budget: unknown key 'gpu'; allowed: 'device' | 'host' | 'disk'"),
+    ({"budget": {"gpu": "1GiB"}}, "store.budget: unknown key, got 'gpu'; allowed: 'device' | 'host' | 'disk'"),
     ({"budget": {"device": "lots"}}, "store.budget.device"),
     ({"ladder": "disk"}, "store.ladder: expected a list"),
     ({"ladder": ["missing.yaml"]}, "store.ladder[0]: policy file 'missing.yaml' not found"),

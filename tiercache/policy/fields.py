@@ -164,7 +164,9 @@ def build(tp, value, path: str):
             try:
                 key = build(args[0], k, path)
             except PolicyError:
-                raise PolicyError(f"{path}: unknown key {k!r}; allowed: {describe(args[0])}") from None
+                what = "unknown key" if typing.get_origin(args[0]) is Literal else "a key must be " + describe(args[0])
+                raise PolicyError(f"{path}: {what}, got {k!r}" + (f"; allowed: {describe(args[0])}"
+                                                                  if what == "unknown key" else "")) from None
             out[key] = build(args[1], v, f"{path}.{k}")
         return out
     if dataclasses.is_dataclass(tp):
@@ -221,9 +223,10 @@ def build_fields(tp, value, path: str):
     return tp(**out)
 
 
-def read_yaml(path, what: str):
+def read_yaml(path, what: str, secret: bool = False):
     """The data of the YAML file ``path`` (``None`` when empty); ``PolicyError`` naming ``what``
-    (e.g. "policy file") when it is missing, unreadable, not YAML, or gives a key twice in one mapping."""
+    (e.g. "policy file") when it is missing, unreadable, not YAML, or gives a key twice in one mapping.
+    ``secret``: a YAML error says the line and column, never the text there (a file of keys)."""
     import yaml
 
     from pathlib import Path
@@ -240,6 +243,11 @@ def read_yaml(path, what: str):
     try:
         return yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
+        if secret:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise PolicyError(f"{what} {str(path)!r} is not valid YAML{where}: "
+                              f"{getattr(e, 'problem', None) or type(e).__name__} (the text is not shown)") from None
         raise PolicyError(f"{what} {str(path)!r} is not valid YAML: {e}") from e
 
 

@@ -2,12 +2,13 @@
 
     tier = RemoteTier.for_model(config, model, name, policy, min_match=16)   (``RemoteConfig``)
     tier.probe() -> bool             at start: is Redis there? (logged either way; never fatal)
-    tier.fetch(ids, beat=0) -> (cache | None, n)
+    tier.fetch(ids, beat=0, scope=SHARED) -> (cache | None, n)
                                      the longest run of stored chunks that prefixes ``ids`` and
                                      leaves one token to prefill, as a fresh cache of ``policy``
                                      holding exactly ``ids[:n]``; None unless ``n > beat`` (what
                                      the local store already offers) and ``n >= min_match``
-    tier.publish(ids, cache) -> int  chunks of ``ids`` (whole chunks, K/V of ``cache``) not yet
+    tier.publish(ids, cache, scope=SHARED) -> int
+                                     chunks of ``ids`` (whole chunks, K/V of ``cache``) not yet
                                      known to be in Redis: copied now, encoded and written by a
                                      background thread; returns how many were queued
     tier.flush(timeout) -> bool      wait for queued writes (tests, shutdown)
@@ -46,6 +47,7 @@ import torch
 from tiercache.serve.remote.codec import ChunkError, ChunkFormat
 from tiercache.serve.remote.connector import RedisConnector, RemoteError
 from tiercache.serve.remote.keys import chunk_keys, model_fingerprint
+from tiercache.serve.tenants import SHARED
 
 log = logging.getLogger("tiercache.serve")
 WRITE_BATCH = 8  # chunks per SET pipeline
@@ -137,12 +139,12 @@ class RemoteTier:
                 self._known.popitem(last=False)
 
     # -- lookup ----------------------------------------------------------------------------------
-    def fetch(self, ids, beat: int = 0):
+    def fetch(self, ids, beat: int = 0, scope=SHARED):
         whole = (len(ids) - 1) // self.chunk  # one token is always left to prefill
         if whole * self.chunk <= beat or whole * self.chunk < self.min_match or not self._ready():
             return None, 0
         self._count(lookups=1)
-        keys = chunk_keys(ids[:whole * self.chunk], self.chunk, self.namespace)
+        keys = chunk_keys(ids[:whole * self.chunk], self.chunk, self.namespace, scope.digest)
         try:
             present = self.conn.exists(keys)  # [bool] per chunk, one round trip
             run = next((i for i, p in enumerate(present) if not p), len(present))
@@ -203,8 +205,8 @@ class RemoteTier:
         return None, 0
 
     # -- writes ----------------------------------------------------------------------------------
-    def publish(self, ids, cache) -> int:
-        keys = chunk_keys(ids[:cache.get_seq_length()], self.chunk, self.namespace)  # only what it holds
+    def publish(self, ids, cache, scope=SHARED) -> int:
+        keys = chunk_keys(ids[:cache.get_seq_length()], self.chunk, self.namespace, scope.digest)  # what it holds
         with self._lock:
             new = [i for i, k in enumerate(keys) if k not in self._known and k not in self._pending]
         if not new:
