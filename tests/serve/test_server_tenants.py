@@ -56,6 +56,8 @@ def test_a_tenant_never_reuses_another_tenants_history(server):
     assert on_bob == on_alice  # the answer does not depend on who had it stored
     again, bob_again = ask(server, "bob", messages)  # bob's own copy of it is his to reuse
     assert bob_again > 0 and again == on_bob
+    m = server.metrics()
+    assert m['tiercache_store_tenant_bytes{tenant="alice"}'] > 0 and m['tiercache_store_tenant_bytes{tenant="bob"}'] > 0
 
 
 def test_a_cache_salt_splits_a_tenant(server):

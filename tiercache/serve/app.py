@@ -1,4 +1,5 @@
-"""The HTTP face: ``create_app(worker, metrics=None, on_shutdown=None, max_body=..., api_key=None, tenants=None) -> FastAPI``.
+"""The HTTP face: ``create_app(worker, metrics=None, on_shutdown=None, max_body=..., api_key=None,
+tenants=None) -> FastAPI``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (each with ``stream: true``:
 server-sent events in OpenAI's chunk format, ending ``data: [DONE]``), ``GET /v1/models``,
