@@ -164,9 +164,9 @@ def build(tp, value, path: str):
             try:
                 key = build(args[0], k, path)
             except PolicyError:
-                what = "unknown key" if typing.get_origin(args[0]) is Literal else "a key must be " + describe(args[0])
-                raise PolicyError(f"{path}: {what}, got {k!r}" + (f"; allowed: {describe(args[0])}"
-                                                                  if what == "unknown key" else "")) from None
+                if typing.get_origin(args[0]) is Literal:
+                    raise PolicyError(f"{path}: unknown key, got {k!r}; allowed: {describe(args[0])}") from None
+                raise PolicyError(f"{path}: a key must be {describe(args[0])}, got {k!r}") from None
             out[key] = build(args[1], v, f"{path}.{k}")
         return out
     if dataclasses.is_dataclass(tp):

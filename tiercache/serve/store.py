@@ -56,12 +56,15 @@ entry once taken). While a tier is over its budget, the least-recently-used entr
 there (never one a reservation will take) is demoted one rung, or evicted past the last rung; a
 failing ``retier`` evicts (logged). ``reserve`` first checks that the reservations alone fit every
 tier: if they do not, it changes nothing and answers None (emptying the store would not help).
+
 Tenants. Each scope has its own trie, so a lookup never sees another scope's entries (and a
 ``cached_tokens`` of 0 tells a client nothing about them); the LRU line and the tier budgets are
 shared. A tenant with a budget (``tenant_budgets``) is held to it at every put: while its entries'
 bytes (every tier, reservations not counted) are over it, its least-recently-used entry that no
 reservation will take is evicted, never another tenant's (``tenant_evictions``, also counted in
-``evictions``). All methods hold one lock; the worker thread calls them. ``stats()`` takes no lock: the HTTP side
+``evictions``).
+
+All methods hold one lock; the worker thread calls them. ``stats()`` takes no lock: the HTTP side
 reads a snapshot that every change publishes (a scrape never waits for a retier).
 """
 
