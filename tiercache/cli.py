@@ -8,7 +8,7 @@
                                                     chunked prefill (tiercache.cache.prefill), then decode
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
     tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
-                    [--api-key KEY] [--max-active N] [--prefill-chunk N] [--step-tokens N]
+                    [--api-key KEY | --api-keys FILE] [--max-active N] [--prefill-chunk N] [--step-tokens N]
                                                     the OpenAI-compatible server (tiercache.serve)
 
 ``--model`` takes a built-in name (``tiercache.models.registry``: ``tiny``, the trained tiny model,
@@ -194,8 +194,13 @@ def parser() -> argparse.ArgumentParser:
                         "more than --max-active)")
     s.add_argument("--queue-size", type=positive_int, default=32, help="requests waiting before 429")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queue included")
-    s.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TIERCACHE_API_KEY, else none)")
+    keys = s.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None, metavar="KEY",
+                      help="require 'Authorization: Bearer KEY' on /v1 routes: one tenant, every client shares the "
+                           "store (default: $TIERCACHE_API_KEY, else no key)")
+    keys.add_argument("--api-keys", default=None, metavar="FILE",
+                      help="YAML: tenant name -> {key: SECRET} or {keys: [...]}, optional budget: SIZE; a tenant's "
+                           "stored conversations are found only by its own requests (docs/serving-api.md)")
     return p
 
 

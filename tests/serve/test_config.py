@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,9 +13,11 @@ from transformers import DynamicCache
 from tiercache import PolicyError, TieredCache
 from tiercache.models.load import load_model
 from tiercache.cache.compat import cache_arg
+from tiercache.policy.schema import Policy
 from tiercache.serve.config import load_store_config
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "serve" / "store.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "configs" / "serve" / "store.yaml"
 
 
 def test_the_example_ladder_moves_a_cache_down_and_back():
@@ -43,15 +47,48 @@ def test_the_example_ladder_moves_a_cache_down_and_back():
 
 
 @pytest.mark.parametrize("data, words", [
-    ({"budget": {"gpu": "1GiB"}}, "unknown tier(s) ['gpu']"),
+    ({"budget": {"gpu": "1GiB"}}, "store.budget: unknown key, got 'gpu'; allowed: 'device' | 'host' | 'disk'"),
     ({"budget": {"device": "lots"}}, "store.budget.device"),
     ({"ladder": "disk"}, "store.ladder: expected a list"),
     ({"ladder": ["missing.yaml"]}, "store.ladder[0]: policy file 'missing.yaml' not found"),
     ({"ladder": [{"quantize": {"bits": 3}}]}, "store.ladder[0]"),
     ({"block_size": 0}, "store.block_size"),
-    ({"budgets": {}}, "unknown field(s) ['budgets']"),
+    ({"budgets": {}}, "store.budgets: unknown field; allowed: budget, ladder, block_size, min_match, remote"),
 ])
 def test_bad_store_configs_name_the_field(data, words):
     with pytest.raises(PolicyError) as e:
         load_store_config(data)
     assert words in str(e.value)
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    for text in ("budget: {device: 1GiB}\nbudget: {device: 2GiB}\n",
+                 "remote:\n  url: redis://127.0.0.1:6379/0\n  ttl: 1d\n  ttl: 2d\n"):
+        path = tmp_path / "store.yaml"
+        path.write_text(text)
+        with pytest.raises(PolicyError, match="is given twice in one mapping"):
+            load_store_config(path)
+
+
+def _yaml_blocks(page: str):
+    text = (ROOT / "docs" / page).read_text()
+    return [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "ladder:" in b or "remote:" in b]
+
+
+@pytest.mark.parametrize("page", ["serving-store.md", "remote.md"])
+def test_the_docs_store_examples_load(page, tmp_path):
+    blocks = _yaml_blocks(page)
+    assert blocks
+    (tmp_path / "serve").mkdir()
+    shutil.copy(ROOT / "configs" / "offload-cpu.yaml", tmp_path / "offload-cpu.yaml")  # as configs/serve/ sees it
+    for block in blocks:
+        path = tmp_path / "serve" / "store.yaml"
+        path.write_text(block)
+        cfg = load_store_config(path)
+        assert all(isinstance(r, Policy) for r in cfg.ladder)
+
+
+def test_every_shipped_store_config_loads():
+    for path in sorted((ROOT / "configs" / "serve").glob("*.yaml")):
+        cfg = load_store_config(path)
+        assert cfg.ladder and all(isinstance(r, Policy) for r in cfg.ladder), path

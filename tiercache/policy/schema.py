@@ -1,7 +1,7 @@
 """Policies: frozen dataclasses; YAML and dicts are only their serialisation.
 
 One generic loader (``tiercache.policy.fields.build``) walks the dataclass fields and their type hints, so no field is
-restated anywhere: every bad input raises ``PolicyError`` with the field path, the value and
+restated anywhere (``Policy.from_plain`` is its hook: ``store.yaml``'s inline ladder rungs are built by it too): every bad input raises ``PolicyError`` with the field path, the value and
 what is allowed. ``Policy.resolve(model)`` applies overrides and returns one ``LayerPolicy`` per
 model layer, checking the policy against that model (indices in range, known layer types).
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tiercache.errors import PolicyError
-from tiercache.policy.fields import UNSET, Size, build, to_plain
+from tiercache.policy.fields import UNSET, Size, build_fields, read_yaml, to_plain
 
 
 MAX_KEY_GAIN = 4.0  # QuantizePolicy.key_gain: beyond a few tenths above 1 attention is only sharpened
@@ -134,37 +134,44 @@ class Policy:
     def from_dict(cls, data: Any) -> "Policy":
         if not isinstance(data, dict):
             raise PolicyError(f"policy: expected a mapping of fields, got {type(data).__name__}")
-        data = _merge_override_quantize(data)
-        policy = build(cls, data, "policy")
-        policy._check()
+        return cls.from_plain(data, "policy")
+
+    @classmethod
+    def from_plain(cls, data: Any, path: str) -> "Policy":
+        """The generic loader's hook: a policy at ``path`` (``policy``, ``store.ladder[1]`` ...),
+        override quantize sections merged over the top-level one, then checked."""
+        if isinstance(data, dict):
+            data = _merge_override_quantize(data)
+        policy = build_fields(cls, data, path)
+        policy._check(path)
         return policy
 
     def to_dict(self) -> dict:
         return to_plain(self)
 
-    def _check(self) -> None:
+    def _check(self, where: str = "policy") -> None:
         if self.max_length is not None and self.max_length < 1:
-            raise PolicyError(f"policy.max_length: must be >= 1 (tokens) or null, got {self.max_length}")
+            raise PolicyError(f"{where}.max_length: must be >= 1 (tokens) or null, got {self.max_length}")
         if self.storage == "static" and self.max_length is None:
-            raise PolicyError("policy.max_length: storage 'static' needs max_length (tokens to preallocate), got null")
+            raise PolicyError(f"{where}.max_length: storage 'static' needs max_length (tokens to preallocate), got null")
         if self.auto and (self.budget is None or self.budget.device is None):
-            raise PolicyError("policy.budget.device: auto: true needs a device budget to fit, got none")
-        for i, q in _sections(self, "quantize"):
-            _check_quantize(q, i)
-        for i, o in _sections(self, "offload"):
+            raise PolicyError(f"{where}.budget.device: auto: true needs a device budget to fit, got none")
+        for i, q in _sections(self, "quantize", where):
+            check_quantize(q, i)
+        for i, o in _sections(self, "offload", where):
             _check_offload(o, i)
         for i, o in enumerate(self.overrides):
-            where = f"policy.overrides[{i}]"
+            at = f"{where}.overrides[{i}]"
             if (o.layers is None) == (o.layer_type is None):
-                raise PolicyError(f"{where}: give exactly one of 'layers' (indices) or 'layer_type', got {to_plain(o)}")
+                raise PolicyError(f"{at}: give exactly one of 'layers' (indices) or 'layer_type', got {to_plain(o)}")
             if o.layers is not None and not o.layers:
-                raise PolicyError(f"{where}.layers: an empty list names no layer; give indices such as [0, -1]")
+                raise PolicyError(f"{at}.layers: an empty list names no layer; give indices such as [0, -1]")
             if o.layer_type in NOT_ATTENTION:
-                raise PolicyError(f"{where}.layer_type: {o.layer_type!r} layers are not attention layers: they keep their "
+                raise PolicyError(f"{at}.layer_type: {o.layer_type!r} layers are not attention layers: they keep their "
                                   "state exact on the model's device and no policy tiers them; overrides name attention "
                                   f"layer types only: {', '.join(KNOWN_LAYER_TYPES)}")
             if o.layer_type is not None and o.layer_type not in KNOWN_LAYER_TYPES:
-                raise PolicyError(f"{where}.layer_type: unknown layer type {o.layer_type!r}; allowed: {', '.join(KNOWN_LAYER_TYPES)}")
+                raise PolicyError(f"{at}.layer_type: unknown layer type {o.layer_type!r}; allowed: {', '.join(KNOWN_LAYER_TYPES)}")
 
     def resolve(self, model) -> list[LayerPolicy]:
         """One LayerPolicy per layer of ``model`` (a ``ModelSpec``), overrides applied in order.
@@ -226,45 +233,8 @@ def load_policy(source: "str | Path | dict | Policy") -> Policy:
         return Policy.from_dict(source)
     if not isinstance(source, (str, Path)):
         raise PolicyError(f"a policy is a YAML file path, a dict or a Policy; got {type(source).__name__} {source!r}")
-    import yaml
-
-    path = Path(source)
-    if path.is_dir():
-        raise PolicyError(f"policy file {str(path)!r} is a directory; give a YAML file (e.g. configs/default.yaml)")
-    if not path.is_file():
-        raise PolicyError(f"policy file {str(path)!r} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PolicyError(f"policy file {str(path)!r} cannot be read as UTF-8 text: {e}") from e
-    try:
-        data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as e:
-        raise PolicyError(f"policy file {str(path)!r} is not valid YAML: {e}") from e
+    data = read_yaml(source, "policy file")
     return Policy.from_dict(data if data is not None else {})
-
-
-def _unique_key_loader():
-    """A yaml SafeLoader that refuses a key given twice in one mapping (YAML would keep the last)."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                try:
-                    hash(key)
-                except TypeError:
-                    continue  # the base loader refuses an unhashable key with its own message
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} is given twice in one mapping; keep one", key_node.start_mark)
-                seen.add(key)
-            return super().construct_mapping(node, deep=deep)
-
-    return Loader
-
 
 
 def _merge_override_quantize(data: dict) -> dict:
@@ -280,18 +250,19 @@ def _merge_override_quantize(data: dict) -> dict:
     return {**data, "overrides": merged}
 
 
-def _sections(p: Policy, field: str):
+def _sections(p: Policy, field: str, where: str = "policy"):
     """Every ``field`` section ("quantize" / "offload") of a policy, with where it is written."""
     if getattr(p, field) is not None:
-        yield f"policy.{field}", getattr(p, field)
+        yield f"{where}.{field}", getattr(p, field)
     for i, o in enumerate(p.overrides):
         if getattr(o, field) not in (None, UNSET):
-            yield f"policy.overrides[{i}].{field}", getattr(o, field)
+            yield f"{where}.overrides[{i}].{field}", getattr(o, field)
     if p.cross_attention is not None and getattr(p.cross_attention, field) is not None:
-        yield f"policy.cross_attention.{field}", getattr(p.cross_attention, field)
+        yield f"{where}.cross_attention.{field}", getattr(p.cross_attention, field)
 
 
-def _check_quantize(q: QuantizePolicy, where: str) -> None:
+def check_quantize(q: QuantizePolicy, where: str) -> None:
+    """A quantize section's own checks (bounds, what the backend supports), errors naming ``where``."""
     for name in ("group_size", "residual_length", "sink_tokens"):
         v = getattr(q, name)
         if v < (1 if name == "group_size" else 0):

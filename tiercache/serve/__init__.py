@@ -14,6 +14,7 @@ Modules, from the face down (imports flow that way):
 - ``text``      incremental detokenization with stop strings held back
 - ``store``     the prefix store: longest stored prefix, budgets per tier, LRU, demotion, eviction
 - ``radix``     the trie over token blocks the store looks prefixes up in
+- ``tenants``   API keys -> tenants (``--api-keys``), the scope (tenant, ``cache_salt``) entries are filed under
 - ``config``    ``store.yaml``: budgets and the demotion ladder
 - ``persist``   entries saved on shutdown and loaded (checked) on start
 - ``remote/``   the shared tier: chunks in Redis behind the store (``store.yaml`` ``remote:``; docs/remote.md)

@@ -1,10 +1,13 @@
-"""The HTTP face: ``create_app(worker, metrics=None, on_shutdown=None, max_body=..., api_key=None) -> FastAPI``.
+"""The HTTP face: ``create_app(worker, metrics=None, on_shutdown=None, max_body=..., api_key=None,
+tenants=None) -> FastAPI``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (each with ``stream: true``:
 server-sent events in OpenAI's chunk format, ending ``data: [DONE]``), ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. With ``api_key``, every ``/v1``
-route needs ``Authorization: Bearer <api_key>`` (401 ``invalid_api_key`` otherwise);
-``/health`` and ``/metrics`` stay open (probes and scrapers).
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. With ``api_key`` (one tenant) or
+``tenants`` (``serve.tenants.Tenants``: several, each with its keys), every ``/v1`` route needs
+``Authorization: Bearer <key>`` (401 ``invalid_api_key`` otherwise); ``/health`` and ``/metrics``
+stay open (probes and scrapers). The key's tenant goes with the request (``Request.tenant``): the
+store files and finds its cache under that tenant and the request's ``cache_salt`` only.
 
 A request with ``n > 1`` gets its choices' events tagged ``index`` (``sequence``): the answer
 waits for every choice; a stream interleaves their chunks, each with its ``index``.
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
 import uuid
@@ -82,24 +84,28 @@ def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def _key_check(api_key: str | None):
-    """A FastAPI dependency: the request carries ``Authorization: Bearer <api_key>``."""
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
+def _key_check(tenants):
+    """A FastAPI dependency: the request carries ``Authorization: Bearer <key>`` of one of
+    ``tenants``; it answers that tenant's name (None when the server asks for no key)."""
+    async def check(request: Request) -> str | None:
+        if tenants is None:
+            return None
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise APIError(401, "no API key given: send the header 'Authorization: Bearer <key>'",
                            type="invalid_request_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        tenant = tenants.find(token.strip())
+        if tenant is None:
             raise APIError(401, "incorrect API key provided", type="invalid_request_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
+        return tenant
     return check
 
 
-def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY, api_key: str | None = None) -> FastAPI:
+def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY, api_key: str | None = None,
+               tenants=None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         worker.start()
@@ -112,7 +118,12 @@ def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY,
 
     app = FastAPI(title="tiercache serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
-    auth = [Depends(_key_check(api_key))]
+    if tenants is None and api_key is not None:
+        from tiercache.serve.tenants import Tenants
+
+        tenants = Tenants.single(api_key)
+    check_key = _key_check(tenants)
+    auth = [Depends(check_key)]
     fp = fingerprint(worker.model_name, getattr(worker.policy, "name", "") or "")
 
     def model_card() -> dict:
@@ -154,15 +165,16 @@ def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY,
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat(request: Request):
-        return await _serve(request, parse_chat(await read_json(request, max_body)))
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, tenant: str | None = Depends(check_key)):
+        return await _serve(request, parse_chat(await read_json(request, max_body)), tenant)
 
-    @app.post("/v1/completions", dependencies=auth)
-    async def completions(request: Request):
-        return await _serve(request, parse_completion(await read_json(request, max_body)))
+    @app.post("/v1/completions")
+    async def completions(request: Request, tenant: str | None = Depends(check_key)):
+        return await _serve(request, parse_completion(await read_json(request, max_body)), tenant)
 
-    async def _serve(request: Request, req):
+    async def _serve(request: Request, req, tenant: str | None = None):
+        req.tenant = tenant  # the store looks only in this tenant's (and cache_salt's) entries
         pipe = _Pipe()
         check_vocabulary(req, worker.codec.vocab_size)
         job = worker.prepare(req, pipe.emit)

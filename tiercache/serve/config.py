@@ -15,7 +15,14 @@
       ttl: 1d
 
 ``load_store_config(source) -> StoreConfig``: ``source`` is a path, a mapping or ``None`` (the
-defaults below). Bad input raises ``PolicyError`` naming ``store.<field>`` and what is allowed.
+defaults below). ``StoreConfig`` is a frozen dataclass read by the generic loader of policies
+(``tiercache.policy.fields.build``): bad input raises ``PolicyError`` naming ``store.<field>``, the
+value and what is allowed, and a key given twice in one mapping of the file is refused.
+An absent ``budget`` is ``DEFAULT_BUDGET``; a ``budget`` section bounds the tiers it names (an
+unnamed tier, or ``budget: null``: no limit). Without a source: ``DEFAULT_BUDGET`` and
+``DEFAULT_LADDER`` (one lossless rung: host memory); a file without ``ladder`` has no rung below
+the serving policy.
+
 Rung 0 of the ladder is always the serving policy (``--policy``); ``ladder`` lists the rungs
 below it. An entry past the last rung is evicted. The string ``remote`` may be the ladder's last
 rung (it needs a ``remote`` section): an entry leaving the last local rung then lives only in
@@ -26,110 +33,81 @@ conversations for room.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import yaml
+from typing import Literal
 
 from tiercache.errors import PolicyError
 from tiercache.planner.footprint import TIERS
-from tiercache.policy.schema import Policy, load_policy
-from tiercache.policy.fields import parse_size
-from tiercache.serve.remote.config import RemoteConfig, parse_remote
+from tiercache.policy.fields import Size, build, read_yaml
+from tiercache.policy.schema import OffloadPolicy, Policy, load_policy
+from tiercache.serve.remote.config import RemoteConfig
 
-DEFAULT = {"budget": {"device": "1GiB", "host": "4GiB", "disk": None},
-           "ladder": [{"name": "host", "offload": {"device": "cpu"}}]}
-_FIELDS = ("budget", "ladder", "block_size", "min_match", "remote")
+Tier = Literal[TIERS]
+DEFAULT_BUDGET = {"device": Size(2**30), "host": Size(4 * 2**30), "disk": None}  # a file without ``budget``
+DEFAULT_LADDER = (Policy(name="host", offload=OffloadPolicy(device="cpu")),)  # ``--store`` not given
 REMOTE_RUNG = "remote"
 
 
 @dataclass(frozen=True)
 class StoreConfig:
-    budget: dict  # tier -> bytes or None (no limit)
-    ladder: tuple[Policy, ...]  # the rungs below the serving policy
+    budget: dict[Tier, Size | None] = field(default_factory=lambda: dict(DEFAULT_BUDGET))  # every tier: bytes or None
+    ladder: tuple[str | Policy, ...] = ()  # the rungs below the serving policy (as loaded: policies, files read)
     block_size: int = 16
     min_match: int = 16
     remote: RemoteConfig | None = None  # the shared tier (None: none)
-    remote_rung: bool = False  # ``remote`` is the ladder's last rung
+    remote_rung: bool = field(default=False, metadata={"derived": True})  # ``remote`` is the ladder's last rung
+
+    @classmethod
+    def from_plain(cls, data, path: str = "store", base: Path | None = None) -> "StoreConfig":
+        """The generic loader's hook: fields built, rung files read (relative to ``base``, else to
+        the working directory), then the cross-field checks."""
+        if isinstance(data, dict) and "budget" in data and data["budget"] is None:
+            data = {**data, "budget": {}}  # `budget: null`: no limit on any tier
+        from tiercache.policy.fields import build_fields
+
+        cfg = build_fields(cls, data, path)
+        budget = {t: cfg.budget.get(t) for t in TIERS}
+        rungs = list(cfg.ladder)
+        remote_rung = bool(rungs) and rungs[-1] == REMOTE_RUNG
+        if remote_rung:
+            rungs.pop()
+            if cfg.remote is None:
+                raise PolicyError(f"{path}.ladder[{len(rungs)}]: the {REMOTE_RUNG!r} rung needs a {path}.remote "
+                                  "section (url, chunk_tokens, ttl)")
+        if REMOTE_RUNG in rungs:
+            raise PolicyError(f"{path}.ladder[{rungs.index(REMOTE_RUNG)}]: {REMOTE_RUNG!r} can only be the last rung")
+        if cfg.remote is not None and cfg.remote.write == "demote" and not remote_rung:
+            raise PolicyError(f"{path}.remote.write: 'demote' writes entries that leave the ladder's last rung; "
+                              f"add {REMOTE_RUNG!r} as the last rung of {path}.ladder, or use write: turn")
+        for name in ("block_size", "min_match"):
+            if getattr(cfg, name) < 1:
+                raise PolicyError(f"{path}.{name}: expected a whole number >= 1, got {getattr(cfg, name)!r}")
+        ladder = tuple(_rung(r, f"{path}.ladder[{i}]", base or Path.cwd()) for i, r in enumerate(rungs))
+        return dataclasses.replace(cfg, budget=budget, ladder=ladder, remote_rung=remote_rung)
 
 
 def load_store_config(source=None) -> StoreConfig:
-    base = Path.cwd()
-    if source is None:
-        data = DEFAULT
-    elif isinstance(source, dict):
-        data = source
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise PolicyError(f"store config {str(path)!r}: no such file")
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-            raise PolicyError(f"store config {str(path)!r} is not readable YAML: {e}") from e
-        base = path.resolve().parent
-    if not isinstance(data, dict):
-        raise PolicyError(f"store: expected a mapping with {', '.join(_FIELDS)}, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(_FIELDS))
-    if unknown:
-        raise PolicyError(f"store: unknown field(s) {unknown}; allowed: {', '.join(_FIELDS)}")
-    rungs = _list(data.get("ladder", []) or [])
-    remote = parse_remote(data.get("remote"))
-    remote_rung = bool(rungs) and rungs[-1] == REMOTE_RUNG
-    if remote_rung:
-        rungs = rungs[:-1]
-        if remote is None:
-            raise PolicyError(f"store.ladder[{len(rungs)}]: the {REMOTE_RUNG!r} rung needs a store.remote section "
-                              "(url, chunk_tokens, ttl)")
-    if REMOTE_RUNG in rungs:
-        raise PolicyError(f"store.ladder[{rungs.index(REMOTE_RUNG)}]: {REMOTE_RUNG!r} can only be the last rung")
-    if remote is not None and remote.write == "demote" and not remote_rung:
-        raise PolicyError("store.remote.write: 'demote' writes entries that leave the ladder's last rung; "
-                          f"add {REMOTE_RUNG!r} as the last rung of store.ladder, or use write: turn")
-    return StoreConfig(budget=_budget(data.get("budget", DEFAULT["budget"])),
-                       ladder=tuple(_rung(r, i, base) for i, r in enumerate(rungs)),
-                       block_size=_positive(data.get("block_size", 16), "store.block_size"),
-                       min_match=_positive(data.get("min_match", 16), "store.min_match"),
-                       remote=remote, remote_rung=remote_rung)
+    if source is None:  # no --store: the default budget, one lossless rung (host memory)
+        return StoreConfig(ladder=DEFAULT_LADDER)
+    if isinstance(source, dict):
+        return build(StoreConfig, source, "store")
+    data = read_yaml(source, "store config")
+    return StoreConfig.from_plain(data if data is not None else {}, "store", Path(source).resolve().parent)
 
 
-def _budget(value) -> dict:
-    if value is None:
-        return dict.fromkeys(TIERS)
-    if not isinstance(value, dict):
-        raise PolicyError(f"store.budget: expected a mapping of tiers ({', '.join(TIERS)}) to sizes, got {value!r}")
-    unknown = sorted(set(value) - set(TIERS))
-    if unknown:
-        raise PolicyError(f"store.budget: unknown tier(s) {unknown}; allowed: {', '.join(TIERS)}")
-    return {t: None if value.get(t) is None else int(parse_size(value[t], f"store.budget.{t}")) for t in TIERS}
-
-
-def _list(value) -> list:
-    if not isinstance(value, list):
-        raise PolicyError(f"store.ladder: expected a list of policies (files or mappings), got {value!r}")
-    return value
-
-
-def _rung(value, i: int, base: Path) -> Policy:
-    where = f"store.ladder[{i}]"
+def _rung(value, where: str, base: Path) -> Policy:
+    """A ladder rung: a policy built inline, or a policy file (relative to ``base``, else the working directory)."""
     if isinstance(value, str):
         path = Path(value)
         path = path if path.is_absolute() or not (base / path).is_file() else base / path
         if not path.is_file():
             raise PolicyError(f"{where}: policy file {value!r} not found (relative to {base} or the working directory)")
-        value = path
-    elif not isinstance(value, dict):
-        raise PolicyError(f"{where}: expected a policy file or mapping, got {value!r}")
-    try:
-        policy = load_policy(value)
-    except PolicyError as e:
-        raise PolicyError(f"{where}: {e}") from e
-    if policy.auto:
-        raise PolicyError(f"{where}: auto policies cannot be ladder rungs (a rung must be one concrete form)")
-    return policy
-
-
-def _positive(value, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PolicyError(f"{where}: expected a whole number >= 1, got {value!r}")
+        try:
+            value = load_policy(path)
+        except PolicyError as e:
+            raise PolicyError(f"{where} ({value}): {e}") from e
+    if value.auto:
+        raise PolicyError(f"{where}.auto: auto policies cannot be ladder rungs (a rung must be one concrete form)")
     return value

@@ -1,6 +1,9 @@
 """Every field OpenAI documents for the two generation routes, and what this server does with it.
 
     SERVED_CHAT, SERVED_COMPLETION      fields ``protocol`` parses and honours
+    EXTENSIONS                          fields that are not OpenAI's but vLLM's, served the same way
+                                        (``cache_salt``: stored prefixes are found only by requests
+                                        with the same salt, of the same tenant)
     INERT                               accepted, typed, and changing nothing in the answer (as at
                                         OpenAI: labels for abuse monitoring, stored completions, caching)
     NEUTRAL                             name -> (accepts(value), why any other value is refused)
@@ -21,6 +24,7 @@ _COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "
            "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user")
 SERVED_CHAT = (*_COMMON, "messages", "max_completion_tokens", "top_logprobs")
 SERVED_COMPLETION = (*_COMMON, "prompt")
+EXTENSIONS = ("cache_salt",)
 
 INERT_CHAT = ("metadata", "prompt_cache_key", "safety_identifier")
 INERT_COMPLETION = ()
@@ -76,8 +80,8 @@ MESSAGE_NEUTRAL = {
 
 def allowed(kind: str) -> tuple:
     if kind == "chat":
-        return (*SERVED_CHAT, *INERT_CHAT, *NEUTRAL_CHAT)
-    return (*SERVED_COMPLETION, *INERT_COMPLETION, *NEUTRAL_COMPLETION)
+        return (*SERVED_CHAT, *EXTENSIONS, *INERT_CHAT, *NEUTRAL_CHAT)
+    return (*SERVED_COMPLETION, *EXTENSIONS, *INERT_COMPLETION, *NEUTRAL_COMPLETION)
 
 
 def _refuse(name: str, value, why: str) -> APIError:

@@ -8,14 +8,18 @@
         run refused), committed as one set; then the store is closed; returns how many were saved
 
 The set. ``DIR/manifest.json`` names it: ``{"format": "tiercache-store", "version": 1, "entries":
-[{"file": ..., "tokens": n}, ...]}``, oldest first. Each entry is one file, ``entry-<save>-<n>.tiercache``
+[{"file": ..., "tokens": n}, ...]}``, oldest first; an entry of a tenant or a ``cache_salt`` also
+records its scope (``"tenant"`` and ``"scope"``, the ``Scope.digest``: never the salt), and is
+loaded back into that scope only (an entry without them is shared, as written by a server without
+tenants). A file kept because the start refused it keeps its scope. Each entry is one file, ``entry-<save>-<n>.tiercache``
 (``TieredCache.save(path, token_ids=ids)``: safetensors with sha256 per tensor), with a name no
 earlier save used. A save writes every file of the new set, then replaces the manifest atomically
 (a temporary file, fsync, rename, fsync of the directory): that rename is the commit. Only then are
 the files that the new manifest does not name removed. A save killed at any point leaves the
 previous set whole (its manifest and every file it names); files it wrote before dying are named
 by no manifest and are removed by the next save. A directory without a manifest (written by an
-earlier tiercache) is read as one set of every ``*.tiercache`` file in it.
+earlier tiercache), or whose manifest cannot be read, is read as one set of every ``*.tiercache``
+file in it, each entry shared (no scope).
 
 Loading never deletes. A file that fails a check is refused, logged with the reason, and kept: it
 is named again by the next save's manifest (``keep``), so a restart with the wrong ``--model`` or
@@ -52,13 +56,14 @@ def save_entries(store, directory, keep=()) -> int:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:12]
-    kept = [{"file": name, "tokens": None} for name in keep if (directory / name).is_file()]
+    before = {r["file"]: r for r in _records(directory)}  # a kept file keeps its record (its scope)
+    kept = [before.get(name, {"file": name, "tokens": None}) for name in keep if (directory / name).is_file()]
     saved = []
-    for i, (ids, cache, _) in enumerate(store.entries()):  # oldest first
+    for i, (ids, cache, _, scope) in enumerate(store.records()):  # oldest first
         name = f"entry-{tag}-{i:06d}{SUFFIX}"
         try:
             cache.save(directory / name, token_ids=list(ids))
-            saved.append({"file": name, "tokens": len(ids)})
+            saved.append({"file": name, "tokens": len(ids), **_scope_fields(scope)})
         except Exception as e:  # noqa: BLE001 - one entry that cannot be saved does not stop the others
             log.error("persist: could not save an entry of %d tokens to %s: %s", len(ids), directory / name, e)
     _commit(directory, {"format": FORMAT, "version": VERSION, "entries": kept + saved})
@@ -86,26 +91,54 @@ def _commit(directory: Path, manifest: dict) -> None:
         os.close(fd)
 
 
-def _the_set(directory: Path) -> list[str]:
-    """File names of the committed set, oldest first."""
+def _scope_fields(scope) -> dict:
+    return {"tenant": scope.tenant, "scope": scope.digest} if scope.digest else {}
+
+
+def _scope_of(record: dict):
+    from tiercache.serve.tenants import SHARED, Scope
+
+    tenant, digest = record.get("tenant", ""), record.get("scope", "")
+    if not digest:
+        return SHARED
+    if not (isinstance(tenant, str) and isinstance(digest, str)):
+        raise ValueError(f"entry {record.get('file')!r}: tenant and scope must be strings")
+    return Scope(tenant, digest)
+
+
+def _records(directory: Path) -> list[dict]:
+    """The committed manifest's entries (``[]`` when there is none or it cannot be read)."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+        return [r for r in manifest["entries"] if isinstance(r, dict) and isinstance(r.get("file"), str)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
+def _the_set(directory: Path) -> list[dict]:
+    """Records (``{"file", ...}``) of the committed set, oldest first."""
     path = directory / MANIFEST
-    loose = sorted(p.name for p in directory.glob(f"*{SUFFIX}"))
+    loose = [{"file": name} for name in sorted(p.name for p in directory.glob(f"*{SUFFIX}"))]
     if not path.is_file():
-        return loose  # an earlier tiercache's layout: every file is the set
+        return loose  # an earlier tiercache's layout: every file is the set (shared)
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
             raise ValueError(f"format {manifest.get('format')!r} version {manifest.get('version')!r}, "
                              f"expected {FORMAT!r} version {VERSION}")
-        names = [str(r["file"]) for r in manifest["entries"]]
+        records = [{**r, "file": str(r["file"])} for r in manifest["entries"]]
+        for r in records:
+            _scope_of(r)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        log.error("persist: %s is not readable (%s); reading every %s file in %s instead", path, e, SUFFIX, directory)
+        log.error("persist: %s is not readable (%s); reading every %s file in %s instead (as shared: their "
+                  "scopes were in it)", path, e, SUFFIX, directory)
         return loose
-    stray = sorted(set(loose) - set(names))
+    names = [r["file"] for r in records]
+    stray = sorted({r["file"] for r in loose} - set(names))
     if stray:
         log.warning("persist: %d file(s) in %s belong to no committed set (a save was interrupted): ignored, "
                     "removed by the next save", len(stray), directory)
-    return names
+    return records
 
 
 def load_entries(store, directory, model_config, vocab_size: int | None = None, device=None) -> Loaded:
@@ -121,7 +154,8 @@ def load_entries(store, directory, model_config, vocab_size: int | None = None, 
         log.error("persist: refusing %s (kept on disk, not loaded): %s", directory / name, why)
         refused.append(name)
 
-    for name in reversed(_the_set(directory)):  # newest first: each older one goes before it in the LRU line
+    for record in reversed(_the_set(directory)):  # newest first: each older one goes before it in the LRU line
+        name = record["file"]
         path = directory / name
         if not path.is_file():
             log.error("persist: %s is named by the manifest but missing", path)
@@ -141,7 +175,7 @@ def load_entries(store, directory, model_config, vocab_size: int | None = None, 
             cache.close()
             refuse(name, problem)
             continue
-        loaded += store.put(cache.token_ids, cache, rung, oldest=True)
+        loaded += store.put(cache.token_ids, cache, rung, oldest=True, scope=_scope_of(record))
     log.info("persist: loaded %d entries from %s%s", loaded, directory,
              f"; refused and kept {len(refused)}" if refused else "")
     return Loaded(loaded, list(reversed(refused)))

@@ -11,12 +11,13 @@ Served fields (``null`` means "the default"): ``model``, ``messages`` (chat) / `
 ``frequency_penalty`` (-2..2), ``logit_bias`` (token id -> -100..100), ``logprobs`` (chat: true /
 false with ``top_logprobs`` 0..20; completions: 0..20 alternatives), ``stream``,
 ``stream_options`` (``include_usage``; ``include_obfuscation`` accepted, no padding is added),
-``user``. The documented fields this server does not serve are accepted at their neutral values
+``user``, and vLLM's ``cache_salt`` (a non-empty string of at most ``MAX_SALT`` characters:
+stored prefixes are shared only between requests with the same salt). The documented fields this server does not serve are accepted at their neutral values
 and otherwise refused by name (``fields``); any other field is refused by name, never ignored.
 Messages: ``role`` one of ``ROLES``; ``content`` a string or a list of ``{"type": "text",
 "text": ...}`` parts; ``name`` allowed; ``refusal``, ``audio``, ``tool_calls``, ``function_call``
 only when empty. ``Request.logprobs`` is the number of alternatives per token (None: no
-log-probabilities).
+log-probabilities). ``Request.tenant`` is not a body field: the HTTP side sets it from the API key.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tiercache.serve.sampling import MAX_TOP_LOGPROBS
 ROLES = ("system", "developer", "user", "assistant")
 DEFAULT_MAX_TOKENS = 256
 MAX_N = 16
+MAX_SALT = 1024
 CHAT_FIELDS = allowed("chat")
 COMPLETION_FIELDS = allowed("completion")
 
@@ -53,6 +55,8 @@ class Request:
     frequency_penalty: float = 0.0
     logit_bias: dict = field(default_factory=dict)  # token id -> added logit
     logprobs: int | None = None  # alternatives per token; None: no log-probabilities
+    cache_salt: str | None = None  # stored prefixes are shared only with requests of the same salt
+    tenant: str | None = None  # set from the API key (``serve.tenants``), never from the body
 
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> APIError:
@@ -124,13 +128,19 @@ def _common(body: dict, kind: str) -> Request:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad(f"user must be a string, got {user!r}", "user", "invalid_type")
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise _bad(f"cache_salt must be a string, got {type(salt).__name__}", "cache_salt", "invalid_type")
+    if salt is not None and not 1 <= len(salt) <= MAX_SALT:
+        raise _bad(f"cache_salt must be a non-empty string of at most {MAX_SALT} characters, got {len(salt)}",
+                   "cache_salt")
     return Request(kind=kind, model=model, max_tokens=_int(body, "max_tokens", 1),
                    temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                    top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
                    seed=_int(body, "seed"), stop=stop, stream=bool(stream), include_usage=include_usage, user=user,
                    n=n or 1, presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                    frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-                   logit_bias=_logit_bias(body.get("logit_bias")))
+                   logit_bias=_logit_bias(body.get("logit_bias")), cache_salt=salt)
 
 
 def _logit_bias(value) -> dict:

@@ -13,7 +13,8 @@ finish, with a store: the last sampled token is fed once more, no sampling, afte
 its answer, so the entry covers the prompt plus every generated token and the next turn's
 ``cached_tokens`` covers the whole answer).
 
-What goes back to the store (``hand_back``): the cache and exactly the token ids whose K/V it
+What goes back to the store (``hand_back``), filed under the job's scope (its tenant and
+``cache_salt``: the checkout looked only there too): the cache and exactly the token ids whose K/V it
 holds (``fed`` of the prompt + generated ids). A cancelled or timed-out request keeps what it fed
 so far, a part of the prompt included, with no extra forward. A failed one keeps nothing.
 
@@ -96,7 +97,7 @@ class Sequence:
 
     def _checkout(self) -> None:
         ids = self.job.ids
-        cache, n = self.w.store.checkout(ids) if self.w.store is not None else (None, 0)
+        cache, n = self.w.store.checkout(ids, scope=self.job.scope) if self.w.store is not None else (None, 0)
         if cache is None:
             cache, n = self.w.new_cache(len(ids) + self.job.max_tokens), 0
         self.cache, self.cached, self.fed = cache, n, n
@@ -179,7 +180,8 @@ class Sequence:
         if self.w.store is None or self.choice or self.fed == 0:  # one entry per request: choice 0's
             return cache.close()
         # the reservation ends first, then the entry is counted
-        self.w.store.put((self.job.ids + self.generated)[:self.fed], cache, release=self.job.reservation)
+        self.w.store.put((self.job.ids + self.generated)[:self.fed], cache, release=self.job.reservation,
+                         scope=self.job.scope)
 
     def _discard(self) -> None:
         self.done = True

@@ -1,15 +1,20 @@
 """``tiercache serve``: build the model, store, worker and app from flags, and run uvicorn.
 
-    build(model, policy=None, store=None, no_store=False, persist=None, api_key=None, **worker_options) -> (app, parts)
+    build(model, policy=None, store=None, no_store=False, persist=None, api_key=None, api_keys=None,
+          **worker_options) -> (app, worker)
     main(args) -> exit code       (``tiercache.cli`` calls it with its parsed flags)
 
 ``--model`` is loaded by ``tiercache.models.load.load_model`` (``tiny``, ``tiny-random``, a path or a
 hub id), on CUDA when present. ``--policy`` is the serving policy (rung 0; default full
-precision); ``--store`` the budget and ladder (``configs/serve/store.yaml``; default ``config.DEFAULT``);
+precision); ``--store`` the budget and ladder (``configs/serve/store.yaml``; default ``config.DEFAULT_BUDGET`` and ``DEFAULT_LADDER``);
 ``--no-store`` keeps nothing between requests; ``--persist DIR`` saves entries on shutdown and
 loads them (checked) on start (``tiercache.serve.persist``): ``close_store`` saves only once the
 worker's thread has ended, and keeps on disk what the start refused. ``--api-key KEY`` (or
-``TIERCACHE_API_KEY``) makes every ``/v1`` route ask for ``Authorization: Bearer KEY``.
+``TIERCACHE_API_KEY``) makes every ``/v1`` route ask for ``Authorization: Bearer KEY`` (one
+tenant: everyone with the key shares the store). ``--api-keys FILE`` (``tiercache.serve.tenants``)
+names several tenants, each with its keys and an optional budget: a tenant's stored conversations
+are found only by its own requests (and, within it, only by requests with the same
+``cache_salt``). A bad keys file stops the start, before the model is loaded.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ log = logging.getLogger("tiercache.serve")
 
 
 def build(model: str, policy=None, store=None, no_store: bool = False, persist=None, device=None, api_key=None,
-          **options):
+          api_keys=None, **options):
     import torch
 
     from tiercache.models.load import load_model
@@ -35,6 +40,9 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
     from tiercache.serve.store import PrefixStore
     from tiercache.serve.worker import Worker
 
+    from tiercache.serve.tenants import load_api_keys
+
+    tenants = load_api_keys(api_keys) if api_keys is not None else None
     serving = load_policy(policy if policy is not None else {"name": "full-precision"})
     config = None if no_store else load_store_config(store)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -45,7 +53,8 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
     if config is not None:
         prefix_store = PrefixStore([serving, *config.ladder], config.budget,
                                    lambda cache: cache.tier_nbytes(),
-                                   block_size=config.block_size, min_match=config.min_match)
+                                   block_size=config.block_size, min_match=config.min_match,
+                                   tenant_budgets=tenants.budgets if tenants is not None else None)
         if config.remote is not None:  # the shared tier behind the local store
             from tiercache.serve.remote import shared_store
 
@@ -61,7 +70,7 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
 
             keep = load_entries(prefix_store, persist, net.config, codec.vocab_size, worker.device).refused
         shutdown = functools.partial(close_store, worker, prefix_store, persist, keep)
-    return create_app(worker, metrics, on_shutdown=shutdown, api_key=api_key or None), worker
+    return create_app(worker, metrics, on_shutdown=shutdown, api_key=api_key or None, tenants=tenants), worker
 
 
 def close_store(worker, store, persist=None, keep=()) -> None:
@@ -98,17 +107,24 @@ def main(args) -> int:
               f"({args.max_active}): a step holds one token of every decoding request plus a prefill chunk",
               file=sys.stderr)
         return 1
+    api_key = getattr(args, "api_key", None) or os.environ.get("TIERCACHE_API_KEY") or None
+    api_keys = getattr(args, "api_keys", None)
+    if api_key is not None and api_keys is not None:
+        print("tiercache serve: error: --api-keys names every tenant's keys; drop --api-key (and "
+              "$TIERCACHE_API_KEY), or put that key in the file as a tenant", file=sys.stderr)
+        return 1
     try:
         app, worker = build(args.model, args.policy, args.store, args.no_store, args.persist,
-                            api_key=getattr(args, "api_key", None) or os.environ.get("TIERCACHE_API_KEY") or None,
+                            api_key=api_key, api_keys=api_keys,
                             max_active=args.max_active, queue_size=args.queue_size, timeout=args.timeout,
                             prefill_chunk=args.prefill_chunk, step_tokens=args.step_tokens)
     except (ModelLoadError, PolicyError) as e:
         print(f"tiercache serve: error: {e}", file=sys.stderr)
         return 1
     store_state = "off" if worker.store is None else "on" if not hasattr(worker.store, "tier") else "on, with Redis"
+    keys = (f"required, {api_keys}: tenants kept apart" if api_keys is not None else "required" if api_key
+            else "none: one store for every client")
     log.info("serving %r on http://%s:%d (store: %s, context %d tokens, API key: %s)", args.model, args.host,
-             args.port, store_state, worker.context,
-             "required" if getattr(args, "api_key", None) or os.environ.get("TIERCACHE_API_KEY") else "none")
+             args.port, store_state, worker.context, keys)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

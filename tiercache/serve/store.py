@@ -1,11 +1,14 @@
 """The prefix store: finished conversations' caches, keyed by token ids, under a budget per tier.
 
 Interface (the store knows caches and token ids, never a model)
-    store = PrefixStore(ladder, budget, tier_bytes, block_size=16, min_match=16)
+    store = PrefixStore(ladder, budget, tier_bytes, block_size=16, min_match=16, tenant_budgets=None)
         ladder      policies, rung 0 first: rung 0 is the serving policy; an entry over budget
                     moves one rung down (``cache.retier(ladder[r + 1])``); past the last, evicted
         budget      {"device" | "host" | "disk": bytes or None}
         tier_bytes  cache -> {tier: bytes} (the server passes ``cache.tier_nbytes()``)
+        tenant_budgets  {tenant name: bytes}: what that tenant's entries may hold, all tiers together
+    Every lookup, checkout, put and reserve takes ``scope=`` (``tenants.Scope``; default the shared
+    scope): an entry is found only by calls of the scope it was put with.
     store.lookup(ids) -> int                  tokens a checkout would reuse; marks that entry used
     store.checkout(ids) -> (cache | None, n)  a cache holding exactly ``ids[:n]`` at rung 0, with
                                               ``n <= len(ids) - 1`` (one token is left to prefill)
@@ -25,8 +28,9 @@ Interface (the store knows caches and token ids, never a model)
                                               choices of one request, after its checkout)
     store.stats() -> dict                     lock-free: the snapshot every change publishes
     store.entries() -> [(ids, cache, rung)]   oldest first
+    store.records() -> [(ids, cache, rung, scope)]   the same, with each entry's scope (persist)
     store.close()
-    store.on_evict = fn(ids, cache)           optional: called with an entry leaving the last rung,
+    store.on_evict = fn(ids, cache, scope)    optional: called with an entry leaving the last rung,
                                               before it is closed (the remote rung writes it out)
 
 What it asks of a cache: ``fork()`` (an independent copy), ``crop(n)`` (transformers' convention,
@@ -52,6 +56,14 @@ entry once taken). While a tier is over its budget, the least-recently-used entr
 there (never one a reservation will take) is demoted one rung, or evicted past the last rung; a
 failing ``retier`` evicts (logged). ``reserve`` first checks that the reservations alone fit every
 tier: if they do not, it changes nothing and answers None (emptying the store would not help).
+
+Tenants. Each scope has its own trie, so a lookup never sees another scope's entries (and a
+``cached_tokens`` of 0 tells a client nothing about them); the LRU line and the tier budgets are
+shared. A tenant with a budget (``tenant_budgets``) is held to it at every put: while its entries'
+bytes (every tier, reservations not counted) are over it, its least-recently-used entry that no
+reservation will take is evicted, never another tenant's (``tenant_evictions``, also counted in
+``evictions``).
+
 All methods hold one lock; the worker thread calls them. ``stats()`` takes no lock: the HTTP side
 reads a snapshot that every change publishes (a scrape never waits for a retier).
 """
@@ -67,6 +79,7 @@ from dataclasses import dataclass, field
 
 from tiercache.planner.footprint import TIERS
 from tiercache.serve.radix import BlockTrie
+from tiercache.serve.tenants import SHARED, Scope
 
 log = logging.getLogger("tiercache.serve")
 
@@ -78,6 +91,7 @@ class Entry:
     rung: int
     bytes: dict = field(default_factory=dict)
     tick: int = 0  # when last used
+    scope: Scope = SHARED  # who may find it
 
     @property
     def tier(self) -> str:
@@ -95,21 +109,24 @@ class Reservation:
 
 
 class PrefixStore:
-    def __init__(self, ladder, budget: dict, tier_bytes, block_size: int = 16, min_match: int = 16):
+    def __init__(self, ladder, budget: dict, tier_bytes, block_size: int = 16, min_match: int = 16,
+                 tenant_budgets: dict | None = None):
         if not ladder:
             raise ValueError("the ladder needs at least rung 0 (the serving policy)")
         self.ladder = list(ladder)
         self.budget = {t: budget.get(t) for t in TIERS}
         self.tier_bytes = tier_bytes
         self.min_match = min_match
-        self._trie = BlockTrie(block_size)
+        self.tenant_budgets = dict(tenant_budgets or {})
+        self._block = block_size
+        self._tries: dict[Scope, BlockTrie] = {}  # one per scope holding entries
         self._lru: OrderedDict[Entry, None] = OrderedDict()  # oldest first
         self._reservations: list[Reservation] = []  # live ones
         self._lock = threading.RLock()
         self._clock = itertools.count(1)
-        self.on_evict = None  # fn(ids, cache): an entry evicted past the last rung (remote/store.py)
+        self.on_evict = None  # fn(ids, cache, scope): an entry evicted past the last rung (remote/store.py)
         self.counters = dict.fromkeys(("hits", "misses", "cached_tokens", "demotions", "evictions",
-                                       "superseded", "rejected"), 0)
+                                       "tenant_evictions", "superseded", "rejected"), 0)
         self._snapshot: dict = {}
         self._publish()
 
@@ -123,8 +140,16 @@ class PrefixStore:
                 self._publish()
 
     # -- lookups ---------------------------------------------------------------------------------
-    def _best(self, ids) -> tuple[Entry | None, int]:
-        keys, n = self._trie.longest(ids)
+    def _trie(self, scope: Scope) -> BlockTrie:
+        if scope not in self._tries:
+            self._tries[scope] = BlockTrie(self._block)
+        return self._tries[scope]
+
+    def _best(self, ids, scope: Scope) -> tuple[Entry | None, int]:
+        trie = self._tries.get(scope)
+        if trie is None:
+            return None, 0
+        keys, n = trie.longest(ids)
         use = min(n, len(ids) - 1)
         if not keys or use < self.min_match:
             return None, 0
@@ -134,16 +159,16 @@ class PrefixStore:
         entry.tick = next(self._clock)
         self._lru.move_to_end(entry)
 
-    def lookup(self, ids) -> int:
+    def lookup(self, ids, scope: Scope = SHARED) -> int:
         with self._locked():
-            entry, use = self._best(ids)
+            entry, use = self._best(ids, scope)
             if entry is not None:
                 self._touch(entry)
             return use
 
-    def checkout(self, ids):
+    def checkout(self, ids, scope: Scope = SHARED):
         with self._locked():
-            entry, use = self._best(ids)
+            entry, use = self._best(ids, scope)
             if entry is None:
                 return self._miss()
             taken = use == len(entry.ids)  # the request extends the whole entry: take it, no copy
@@ -178,7 +203,8 @@ class PrefixStore:
         return None, 0
 
     # -- hand back -------------------------------------------------------------------------------
-    def put(self, ids, cache, rung: int = 0, oldest: bool = False, release: Reservation | None = None) -> bool:
+    def put(self, ids, cache, rung: int = 0, oldest: bool = False, release: Reservation | None = None,
+            scope: Scope = SHARED) -> bool:
         ids = tuple(int(i) for i in ids)
         with self._locked():
             if release is not None:
@@ -189,26 +215,27 @@ class PrefixStore:
                 self.counters["rejected"] += 1
                 cache.close()
                 return False
-            for old in self._trie.prefixes_of(ids):
+            for old in self._trie(scope).prefixes_of(ids):
                 self._remove(old)
                 if old.cache is not cache:
                     old.cache.close()
                 self.counters["superseded"] += 1
             cache.release_transients()  # workspace, prefetch slots: not part of what is kept
-            entry = Entry(ids, cache, rung, self.tier_bytes(cache), 0 if oldest else next(self._clock))
-            self._trie.insert(ids, entry)
+            entry = Entry(ids, cache, rung, self.tier_bytes(cache), 0 if oldest else next(self._clock), scope)
+            self._trie(scope).insert(ids, entry)
             self._lru[entry] = None
             if oldest:
                 self._lru.move_to_end(entry, last=False)
             self._enforce()
+            self._enforce_tenant(scope.tenant)
             return entry in self._lru
 
     # -- budget ----------------------------------------------------------------------------------
-    def reserve(self, need: dict, ids=None) -> Reservation | None:
+    def reserve(self, need: dict, ids=None, scope: Scope = SHARED) -> Reservation | None:
         with self._locked():
             r = Reservation({t: int(need.get(t, 0)) for t in TIERS})
             if ids is not None:
-                entry, use = self._best(ids)
+                entry, use = self._best(ids, scope)
                 if entry is not None:
                     self._touch(entry)  # the entry it will use goes last in the LRU line
                     if use == len(entry.ids) and entry not in self._pinned():
@@ -283,6 +310,23 @@ class PrefixStore:
                 return False
             self._demote(victim)
 
+    def _enforce_tenant(self, tenant: str) -> None:
+        """Evict ``tenant``'s LRU entries (never one a reservation will take) until they fit its budget."""
+        budget = self.tenant_budgets.get(tenant)
+        if budget is None:
+            return
+        pinned = self._pinned()
+        mine = [e for e in self._lru if e.scope.tenant == tenant]  # oldest first
+        held = sum(sum(e.bytes.values()) for e in mine)
+        for victim in mine:
+            if held <= budget:
+                return
+            if victim in pinned:
+                continue
+            held -= sum(victim.bytes.values())
+            self.counters["tenant_evictions"] += 1
+            self._evict(victim)
+
     def _demote(self, entry: Entry) -> None:
         if entry.rung + 1 < len(self.ladder):
             try:
@@ -294,17 +338,24 @@ class PrefixStore:
             except Exception as e:  # noqa: BLE001 - cannot demote: evict instead
                 log.error("store: demoting an entry of %d tokens to rung %d failed (%s); evicting it",
                           len(entry.ids), entry.rung + 1, e)
+        self._evict(entry)
+
+    def _evict(self, entry: Entry) -> None:
         self._remove(entry)
         if self.on_evict is not None:
             try:
-                self.on_evict(entry.ids, entry.cache)
+                self.on_evict(entry.ids, entry.cache, entry.scope)
             except Exception as e:  # noqa: BLE001 - the eviction goes on
                 log.error("store: handing an evicted entry of %d tokens on failed (%s)", len(entry.ids), e)
         entry.cache.close()
         self.counters["evictions"] += 1
 
     def _remove(self, entry: Entry) -> None:
-        self._trie.remove(entry.ids, entry)
+        trie = self._tries.get(entry.scope)
+        if trie is not None:
+            trie.remove(entry.ids, entry)
+            if not trie.root.under:  # that scope holds nothing now
+                del self._tries[entry.scope]
         self._lru.pop(entry, None)
 
     # -- reporting -------------------------------------------------------------------------------
@@ -312,15 +363,18 @@ class PrefixStore:
         entries = dict.fromkeys(TIERS, 0)
         stored = dict.fromkeys(TIERS, 0)
         reserved = dict.fromkeys(TIERS, 0)
+        tenants = dict.fromkeys(self.tenant_budgets, 0)
         for e in self._lru:
             entries[e.tier] += 1
             for t in TIERS:
                 stored[t] += e.bytes.get(t, 0)
+            if e.scope.tenant:
+                tenants[e.scope.tenant] = tenants.get(e.scope.tenant, 0) + sum(e.bytes.values())
         for r in self._reservations:
             for t in TIERS:
                 reserved[t] += r.need.get(t, 0)
         self._snapshot = {"entries": entries, "bytes": stored, "reserved": reserved, "budget": dict(self.budget),
-                          **self.counters}  # one assignment: readers see all or none
+                          "tenant_bytes": tenants, **self.counters}  # one assignment: readers see all or none
 
     def stats(self) -> dict:
         """The state after the last change, without waiting for one in progress (no lock)."""
@@ -329,6 +383,10 @@ class PrefixStore:
     def entries(self) -> list:
         with self._lock:
             return [(e.ids, e.cache, e.rung) for e in self._lru]
+
+    def records(self) -> list:
+        with self._lock:
+            return [(e.ids, e.cache, e.rung, e.scope) for e in self._lru]
 
     def __len__(self) -> int:
         return len(self._lru)

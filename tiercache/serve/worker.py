@@ -3,7 +3,8 @@
     worker = Worker(model, codec, policy, model_name="tiny", store=store, max_active=8,
                     queue_size=32, timeout=600.0, metrics=None, prefill_chunk=256, step_tokens=512)
     worker.start()
-    job = worker.prepare(request, emit)    # tokenize and check (APIError 400/404), no model work
+    job = worker.prepare(request, emit)    # tokenize and check (APIError 400/404), no model work;
+                                           # job.scope: the tenant and cache_salt its cache is filed under
     worker.submit(job)                     # APIError 429 (with Retry-After) when the queue is full
     job.cancel()                           # the client went away: stops at the next token
     worker.stop() -> bool                  True once the thread has ended (``worker.stopped``)
@@ -43,6 +44,7 @@ from tiercache.serve.batch import run_rows
 from tiercache.serve.errors import APIError
 from tiercache.serve.protocol import DEFAULT_MAX_TOKENS, Request
 from tiercache.serve.sequence import Sequence
+from tiercache.serve.tenants import SHARED, Scope
 
 log = logging.getLogger("tiercache.serve")
 
@@ -61,6 +63,7 @@ class Job:
     deadline: float = float("inf")
     cancelled: threading.Event = field(default_factory=threading.Event)
     reservation: object = None  # the store's Reservation while admitted
+    scope: Scope = SHARED  # whose stored prefixes it may use and where its cache goes (tenant, cache_salt)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -129,7 +132,7 @@ class Worker:
                            f"the context is {self.context}, so max_tokens may be at most {room}",
                            param="max_tokens", code="context_length_exceeded")
         need = self._need(len(ids) + max_tokens, request.n)
-        job = Job(request, ids, max_tokens, need, emit)
+        job = Job(request, ids, max_tokens, need, emit, scope=Scope.of(request.tenant, request.cache_salt))
         job.deadline = job.submitted + self.timeout
         return job
 
@@ -248,7 +251,7 @@ class Worker:
                                              code="timeout"))
             return True
         if self.store is not None:
-            job.reservation = self.store.reserve(job.need, job.ids)  # the entry it will take is counted once
+            job.reservation = self.store.reserve(job.need, job.ids, scope=job.scope)  # its entry counted once
             if job.reservation is None:
                 if self._active:  # room comes back when an active request finishes
                     return False

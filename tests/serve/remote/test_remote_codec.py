@@ -13,7 +13,9 @@ import torch
 from tiercache.models.load import load_model
 from tiercache.models.spec import ModelSpec
 from tiercache.policy.schema import QuantizePolicy
-from tiercache.serve.remote.codec import ChunkError, ChunkFormat
+import hmac
+
+from tiercache.serve.remote.codec import ChunkError, ChunkFormat, ChunkTagError
 from tiercache.serve.remote.keys import chunk_keys, model_fingerprint
 
 SPEC = ModelSpec(name="t", num_layers=3, kv_heads=2, head_dim=64, layer_types=("full_attention",) * 3, dtype="float32")
@@ -81,6 +83,39 @@ def test_anything_altered_is_refused(quantize):
     other = ModelSpec(name="t", num_layers=3, kv_heads=1, head_dim=64, layer_types=("full_attention",) * 3, dtype="float32")
     with pytest.raises(ChunkError, match="layers"):
         ChunkFormat(other, torch.float32, quantize).decode(blob, "key-a")
+
+
+@pytest.mark.parametrize("quantize", [None, INT4], ids=["fp", "int4"])
+def test_signed_chunks_are_read_only_under_their_secret(quantize):
+    signed = ChunkFormat(SPEC, torch.float32, quantize, secret=b"secret-A")
+    kv = chunk()
+    blob = signed.encode(kv, "key-a")
+    body = blob[:-32]
+    assert blob[-32:] == hmac.new(b"secret-A", body, hashlib.sha256).digest()
+    back = signed.decode(blob, "key-a")
+    if quantize is None:  # bit-exact; int4 is checked against the unsigned codec's result
+        assert all(torch.equal(a, b) for pa, pb in zip(kv, back) for a, b in zip(pa, pb))
+    else:
+        plain_back = ChunkFormat(SPEC, torch.float32, quantize).decode(
+            ChunkFormat(SPEC, torch.float32, quantize).encode(kv, "key-a"), "key-a")
+        assert all(torch.equal(a, b) for pa, pb in zip(plain_back, back) for a, b in zip(pa, pb))
+    other = ChunkFormat(SPEC, torch.float32, quantize, secret=b"secret-B")
+    with pytest.raises(ChunkTagError, match="HMAC tag missing or wrong"):
+        other.decode(blob, "key-a")  # another secret
+    plain = ChunkFormat(SPEC, torch.float32, quantize)
+    with pytest.raises(ChunkTagError):
+        signed.decode(plain.encode(kv, "key-a"), "key-a")  # unsigned: no tag under the secret
+    forged = body + hashlib.sha256(body).digest()  # what a writer without the secret can compute
+    with pytest.raises(ChunkTagError):
+        signed.decode(forged, "key-a")
+    with pytest.raises(ChunkError, match="checksum") as e:
+        plain.decode(blob, "key-a")  # a signed chunk read without the secret: refused too
+    assert not isinstance(e.value, ChunkTagError)
+    for at in (6, 20, len(blob) // 2, len(blob) - 1):
+        with pytest.raises(ChunkTagError):
+            signed.decode(flip(blob, at), "key-a")
+    with pytest.raises(ValueError, match="empty secret"):
+        ChunkFormat(SPEC, torch.float32, secret=b"")
 
 
 def test_keys_are_chained_and_namespaced():

@@ -3,8 +3,9 @@
 Modules, from the face down (imports flow that way):
 - ``store``      the rung logic: a local ``PrefixStore`` in front, the tier behind, one store interface
 - ``tier``       lookup (longest run of stored chunks), background writes, fault handling, counters
-- ``codec``      one chunk as one blob: header + payload (packed when quantized) + sha256; no pickle
-- ``keys``       chained sha256 chunk keys, the model fingerprint
+- ``codec``      one chunk as one blob: header + payload (packed when quantized) + sha256, or an
+                 HMAC-SHA256 under ``remote.secret``; no pickle
+- ``keys``       chained sha256 chunk keys (a tenant's scope hashed in), the model fingerprint
 - ``connector``  exists / get / set over redis-py, nothing else
 - ``config``     the ``remote:`` section of ``store.yaml`` (needs no Redis client)
 - ``metrics``    the tier's Prometheus families for ``/metrics``

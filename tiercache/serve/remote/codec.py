@@ -1,7 +1,9 @@
-"""One chunk of K/V as one checksummed blob: header, payload, sha256. Nothing is pickled.
+"""One chunk of K/V as one checksummed (or signed) blob: header, payload, tag. Nothing is pickled.
 
-    fmt = ChunkFormat(spec, dtype, quantize=None)   spec: the model's ``ModelSpec``; quantize: a
-                                                    native ``QuantizePolicy`` or None (the dtype as is)
+    fmt = ChunkFormat(spec, dtype, quantize=None, secret=None)
+                                                    spec: the model's ``ModelSpec``; quantize: a
+                                                    native ``QuantizePolicy`` or None (the dtype as is);
+                                                    secret: bytes, the HMAC key (``remote.secret``)
     fmt.name                                        "fp-float32", "int4-g64-1a2b3c4d": part of every key
     blob = fmt.encode(kv, key)                      kv: per layer ``(k, v)``, each ``[1, H, C, D]``
     kv = fmt.decode(blob, key, device="cpu")        the same shapes, ``ChunkError`` when anything is off
@@ -9,9 +11,14 @@
 
 Blob layout::
 
-    b"TCKV" | u32 little-endian header length | header (JSON, utf-8) | payload | sha256 (32 bytes)
+    b"TCKV" | u32 little-endian header length | header (JSON, utf-8) | payload | tag (32 bytes)
 
-The sha256 covers everything before it. The header: ``version`` (1), ``key`` (the Redis key the
+The tag covers everything before it: without a secret a sha256 (it finds a torn or altered value,
+not a forged one: anyone who can write to the Redis can compute it); with a secret an
+HMAC-SHA256 under it, and the header says ``"mac": "hmac-sha256"``. A reader with a secret
+accepts only chunks whose HMAC under its secret matches (compared in constant time): a chunk
+without one (written unsigned) or with another (another secret, a forgery) is a
+``ChunkTagError``, a miss. Every server sharing a Redis must have the same secret. The header: ``version`` (1), ``key`` (the Redis key the
 blob was written under: a value moved to another key is refused), ``format`` (``fmt.name``),
 ``codec`` (``raw`` | ``native``), ``dtype``, ``tokens`` (C), ``layers`` (``[H, Dk, Dv]`` per layer),
 ``payload`` (its length), and for ``native`` the block format (bits, group size, axes ...).
@@ -20,8 +27,8 @@ Payload, layer by layer, keys then values: ``raw`` is the tensor's bytes ``[1, H
 (codes, then scale and offset in the model dtype, per block of G tokens): quantized chunks
 travel packed and are dequantized by the reader.
 
-``decode`` checks, in order: magic, lengths, checksum, version, key, format, dtype, tokens,
-layer shapes, payload length; the first failure is a ``ChunkError`` saying which. A chunk that
+``decode`` checks, in order: magic, the tag (before anything the blob says is trusted), lengths,
+version, key, format, dtype, tokens, layer shapes, payload length; the first failure is a ``ChunkError`` saying which. A chunk that
 fails is a miss for the caller, never a wrong prefix.
 """
 
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import struct
 
@@ -43,8 +51,12 @@ class ChunkError(ValueError):
     """A blob that is not a valid chunk for this key and format (corrupted, truncated, foreign)."""
 
 
+class ChunkTagError(ChunkError):
+    """A chunk whose HMAC tag is missing or wrong under this reader's secret (another secret, a forgery)."""
+
+
 class ChunkFormat:
-    def __init__(self, spec, dtype: torch.dtype, quantize=None):
+    def __init__(self, spec, dtype: torch.dtype, quantize=None, secret: bytes | None = None):
         from tiercache.quantize.blocks import Codec
         from tiercache.quantize.codec import CodecSpec
 
@@ -54,6 +66,10 @@ class ChunkFormat:
         self.dtype, self.dtype_name = dtype, names[dtype]
         self.shapes = [list(spec.kv_shape(i)) for i in range(spec.num_layers)]  # [H, Dk, Dv] per layer
         self.quantize = quantize
+        if secret is not None and not secret:
+            raise ValueError("remote chunks: an empty secret; give one, or None for unsigned chunks")
+        self._secret = secret
+        self.signed = secret is not None
         if quantize is None:
             self.codec_header = {"codec": "raw"}
             self.name = f"fp-{self.dtype_name}"
@@ -100,28 +116,38 @@ class ChunkFormat:
                 parts.append(_raw(t))
         header = {"version": VERSION, "key": key, "format": self.name, **self.codec_header,
                   "dtype": self.dtype_name, "tokens": tokens, "layers": self.shapes,
-                  "payload": sum(len(p) for p in parts)}
+                  "payload": sum(len(p) for p in parts), **self._mac_header()}
         head = json.dumps(header, sort_keys=True).encode()
         body = b"".join([MAGIC, struct.pack("<I", len(head)), head, *parts])
-        return body + hashlib.sha256(body).digest()
+        return body + self._tag(body)
+
+    def _mac_header(self) -> dict:
+        return {"mac": "hmac-sha256"} if self.signed else {}
+
+    def _tag(self, body) -> bytes:
+        if self._secret is None:
+            return hashlib.sha256(body).digest()
+        return hmac.new(self._secret, body, hashlib.sha256).digest()
 
     # -- decode ----------------------------------------------------------------------------------
     def decode(self, blob: bytes, key: str, device="cpu"):
         if len(blob) < len(MAGIC) + 4 + _DIGEST or blob[:4] != MAGIC:
             raise ChunkError("not a tiercache chunk (bad magic or too short)")
+        if not hmac.compare_digest(self._tag(memoryview(blob)[:-_DIGEST]), blob[-_DIGEST:]):
+            if self.signed:
+                raise ChunkTagError("HMAC tag missing or wrong (written unsigned, under another secret, or forged)")
+            raise ChunkError("checksum mismatch (the value was altered or torn)")
         (n,) = struct.unpack_from("<I", blob, 4)
         start = 8 + n
         if start + _DIGEST > len(blob):
             raise ChunkError(f"truncated: header of {n} bytes in a blob of {len(blob)}")
-        if hashlib.sha256(memoryview(blob)[:-_DIGEST]).digest() != blob[-_DIGEST:]:
-            raise ChunkError("checksum mismatch (the value was altered or torn)")
         try:
             header = json.loads(blob[8:start].decode())
         except (UnicodeDecodeError, ValueError) as e:
             raise ChunkError(f"unreadable header: {e}") from e
         tokens = header.get("tokens")
         expect = {"version": VERSION, "key": key, "format": self.name, "dtype": self.dtype_name, "layers": self.shapes,
-                  **self.codec_header}
+                  "mac": self._mac_header().get("mac"), **self.codec_header}
         for field, want in expect.items():
             if header.get(field) != want:
                 raise ChunkError(f"header {field} is {header.get(field)!r}, expected {want!r}")

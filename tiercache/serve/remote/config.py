@@ -1,7 +1,8 @@
 """The ``remote:`` section of ``store.yaml``: where the shared tier lives and how chunks look.
 
     remote:
-      url: redis://127.0.0.1:6379/0   # a Redis (or Valkey) server: redis://, rediss://, unix://
+      url: redis://127.0.0.1:6379/0   # a Redis (or Valkey) server: redis://, rediss:// (TLS), unix://;
+                                      # an ACL user and password go in the URL: redis://user:pass@host:6379/0
       chunk_tokens: 256               # tokens per chunk (the lookup and write granularity)
       ttl: 1d                         # how long a chunk lives after its last write or refresh
                                       # (s, m, h, d; a number is seconds; null: until maxmemory evicts it)
@@ -10,98 +11,92 @@
                                       # native quantization ({bits: 4, group_size: 64}: packed on the wire)
       write: turn                     # turn: new chunks after every turn (servers share conversations);
                                       # demote: only an entry leaving the ladder's last local rung
+      secret: null                    # the key of every chunk's HMAC-SHA256 (else $TIERCACHE_REMOTE_SECRET;
+                                      # neither: chunks carry a plain sha256, anyone who can write to Redis
+                                      # can write K/V that servers will use)
 
-``parse_remote(value) -> RemoteConfig | None`` (None: no section, no remote tier). Bad input
-raises ``PolicyError`` naming ``store.remote.<field>`` and what is allowed. This module needs no
-Redis client: a config is checked (``tiercache validate``, tests) without the ``remote`` extra.
+``RemoteConfig`` is a frozen dataclass read by the generic loader (``tiercache.policy.fields``):
+``build(RemoteConfig, value, "store.remote")`` goes through ``RemoteConfig.from_plain`` (the
+``quantize`` section's ``residual_length`` defaults to 0 here: every token of a chunk is packed),
+then the checks below. Bad input raises ``PolicyError`` naming ``store.remote.<field>`` and what is
+allowed; a secret is never shown in an error. ``secret_of(config)`` is the HMAC key in use (the
+field, else the environment). This module needs no Redis client: a config is checked
+(``tiercache validate``, tests) without the ``remote`` extra.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from typing import Literal
 from urllib.parse import urlparse
 
 from tiercache.errors import PolicyError
-from tiercache.policy.schema import Policy, QuantizePolicy
+from tiercache.policy.fields import Duration, build_fields
+from tiercache.policy.schema import QuantizePolicy, check_quantize
 
-FIELDS = ("url", "chunk_tokens", "ttl", "timeout", "quantize", "write")
-WRITES = ("turn", "demote")
-_SCHEMES = ("redis", "rediss", "unix")
-_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+SCHEMES = ("redis", "rediss", "unix")
+SECRET_ENV = "TIERCACHE_REMOTE_SECRET"
 
 
 @dataclass(frozen=True)
 class RemoteConfig:
-    url: str
+    url: str = field(metadata={"example": "redis://127.0.0.1:6379/0"})
     chunk_tokens: int = 256
-    ttl: float | None = 86400.0  # seconds; None: no expiry
-    timeout: float = 0.5  # seconds per command
+    ttl: Duration | None = Duration(86400)  # seconds; None: no expiry
+    timeout: Duration = Duration(0.5)  # seconds per command
     quantize: QuantizePolicy | None = None  # None: chunks in the model's dtype
-    write: str = "turn"
+    write: Literal["turn", "demote"] = "turn"
+    secret: str | None = field(default=None, metadata={"secret": True}, repr=False)  # HMAC key (else the env)
+
+    @classmethod
+    def from_plain(cls, value, path: str) -> "RemoteConfig":
+        if isinstance(value, dict) and isinstance(value.get("quantize"), dict):
+            value = {**value, "quantize": {"residual_length": 0, **value["quantize"]}}
+        cfg = build_fields(cls, value, path)
+        cfg.check(path)
+        return cfg
+
+    def check(self, path: str = "store.remote") -> None:
+        if urlparse(self.url).scheme not in SCHEMES:
+            raise PolicyError(f"{path}.url: expected a URL with scheme {' | '.join(SCHEMES)} "
+                              f"(e.g. redis://127.0.0.1:6379/0), got {redact(self.url)!r}")
+        if self.chunk_tokens < 1:
+            raise PolicyError(f"{path}.chunk_tokens: expected a whole number >= 1, got {self.chunk_tokens!r}")
+        if self.ttl is not None and self.ttl < 1:
+            raise PolicyError(f"{path}.ttl: at least 1s (Redis expires in whole seconds), got {self.ttl:g}s")
+        if self.timeout <= 0:
+            raise PolicyError(f"{path}.timeout: must be > 0, got {self.timeout:g}s")
+        if self.secret is not None and not self.secret:
+            raise PolicyError(f"{path}.secret: an empty secret; give one (a long random string) or omit the field")
+        q = self.quantize
+        if q is None:
+            return
+        where = f"{path}.quantize"
+        if q.backend != "native":
+            raise PolicyError(f"{where}.backend: chunks are packed by the native backend; got {q.backend!r}")
+        check_quantize(q, where)
+        if q.sink_tokens or q.residual_length:
+            raise PolicyError(f"{where}: sink_tokens and residual_length do not apply to chunks (every token is packed)")
+        if self.chunk_tokens % q.group_size:
+            raise PolicyError(f"{where}.group_size: {q.group_size} must divide {path}.chunk_tokens "
+                              f"({self.chunk_tokens}): a chunk is whole blocks")
 
 
-def parse_remote(value) -> RemoteConfig | None:
-    if value is None:
-        return None
-    where = "store.remote"
-    if not isinstance(value, dict):
-        raise PolicyError(f"{where}: expected a mapping ({', '.join(FIELDS)}), got {value!r}")
-    unknown = sorted(set(value) - set(FIELDS))
-    if unknown:
-        raise PolicyError(f"{where}: unknown field(s) {unknown}; allowed: {', '.join(FIELDS)}")
-    if "url" not in value:
-        raise PolicyError(f"{where}.url: missing; give the Redis server, e.g. redis://127.0.0.1:6379/0")
-    url = value["url"]
-    if not isinstance(url, str) or urlparse(url).scheme not in _SCHEMES:
-        raise PolicyError(f"{where}.url: expected a URL with scheme {' | '.join(_SCHEMES)} "
-                          f"(e.g. redis://127.0.0.1:6379/0), got {url!r}")
-    chunk = value.get("chunk_tokens", 256)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise PolicyError(f"{where}.chunk_tokens: expected a whole number >= 1, got {chunk!r}")
-    ttl = value.get("ttl", "1d")
-    ttl = None if ttl is None else duration(ttl, f"{where}.ttl")
-    if ttl is not None and ttl < 1:
-        raise PolicyError(f"{where}.ttl: at least 1s (Redis expires in whole seconds), got {value['ttl']!r}")
-    timeout = duration(value.get("timeout", "500ms"), f"{where}.timeout")
-    if timeout <= 0:
-        raise PolicyError(f"{where}.timeout: must be > 0, got {value['timeout']!r}")
-    write = value.get("write", "turn")
-    if write not in WRITES:
-        raise PolicyError(f"{where}.write: expected {' | '.join(WRITES)}, got {write!r}")
-    return RemoteConfig(url, chunk, ttl, timeout, _quantize(value.get("quantize"), chunk, f"{where}.quantize"), write)
+def secret_of(config: RemoteConfig) -> bytes | None:
+    """The HMAC key of the chunks: ``config.secret``, else ``$TIERCACHE_REMOTE_SECRET``, else None."""
+    secret = config.secret if config.secret is not None else os.environ.get(SECRET_ENV) or None
+    return None if secret is None else secret.encode("utf-8")
 
 
-def _quantize(value, chunk: int, where: str) -> QuantizePolicy | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise PolicyError(f"{where}: expected null or a quantize mapping such as {{bits: 4, group_size: 64}}, "
-                          f"got {value!r}")
+def redact(url: str) -> str:
+    """``url`` without its password (logs, errors): ``redis://user:***@host:6379/0``."""
     try:
-        q = Policy.from_dict({"quantize": {"residual_length": 0, **value}}).quantize
-    except PolicyError as e:
-        raise PolicyError(f"{where}: {e}") from e
-    if q.backend != "native":
-        raise PolicyError(f"{where}.backend: chunks are packed by the native backend; got {q.backend!r}")
-    if q.sink_tokens or q.residual_length:
-        raise PolicyError(f"{where}: sink_tokens and residual_length do not apply to chunks (every token is packed)")
-    if chunk % q.group_size:
-        raise PolicyError(f"{where}.group_size: {q.group_size} must divide store.remote.chunk_tokens ({chunk}): "
-                          "a chunk is whole blocks")
-    return q
-
-
-def duration(value, where: str) -> float:
-    """Seconds from ``90``, ``1.5``, ``"250ms"``, ``"30s"``, ``"5m"``, ``"12h"``, ``"1d"``."""
-    if isinstance(value, bool):
-        raise PolicyError(f"{where}: expected a duration such as 500ms, 30s, 12h, 1d or seconds, got {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d)?\s*", value)):
-        seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
-    else:
-        raise PolicyError(f"{where}: expected a duration such as 500ms, 30s, 12h, 1d or seconds, got {value!r}")
-    if seconds < 0:
-        raise PolicyError(f"{where}: must be >= 0, got {value!r}")
-    return seconds
+        parsed = urlparse(url)
+        if parsed.password is None:
+            return url
+        user = parsed.username or ""
+        host = parsed.netloc.rsplit("@", 1)[1]
+        return parsed._replace(netloc=f"{user}:***@{host}").geturl()
+    except ValueError:
+        return "<a URL that cannot be parsed>"

@@ -1,6 +1,10 @@
 """The connector: exists / get / set over a Redis (or Valkey) server, through redis-py. Nothing else.
 
-    conn = RedisConnector(url, timeout=0.5, ttl=86400)   no connection is made until the first call
+    conn = RedisConnector(url, timeout=0.5, ttl=86400)   no connection is made until the first call;
+                                                         ``url`` may carry an ACL user and password
+                                                         (``redis://user:pass@host:6379/0``) and be
+                                                         ``rediss://`` (TLS; ``?ssl_ca_certs=PATH``);
+                                                         ``conn.url`` is it without the password (logs)
     conn.ping() -> True                                  raises RemoteError when the server is not there
     conn.exists(keys) -> [bool]                          one round trip (a pipeline of EXISTS)
     conn.get(keys) -> [bytes | None]                     one round trip (MGET); None: not there
@@ -35,8 +39,10 @@ class RedisConnector:
             import redis
         except ImportError as e:
             raise ImportError("the remote tier needs redis-py: pip install 'tiercache[remote]'") from e
+        from tiercache.serve.remote.config import redact
+
         self._redis = redis
-        self.url, self.ttl = url, None if ttl is None else max(1, int(ttl))
+        self.url, self.ttl = redact(url), None if ttl is None else max(1, int(ttl))
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 

@@ -1,12 +1,16 @@
 """Chunk addresses: which Redis key holds the K/V of a run of tokens.
 
     fp = model_fingerprint(model, name)              hex digest: architecture, KV shapes, dtype, weights
-    keys = chunk_keys(ids, chunk_tokens, namespace)  one key per *whole* chunk of ``ids``, in order
+    keys = chunk_keys(ids, chunk_tokens, namespace, scope="")
+                                                     one key per *whole* chunk of ``ids``, in order;
+                                                     ``scope``: a ``tenants.Scope.digest``
     namespace = f"tiercache:v1:{fp}:{format_name}"   (``RemoteTier`` builds it)
 
 A chunk's hash is chained: ``h_i = sha256(h_{i-1} || ids of chunk i as int32 little-endian)``
-with ``h_{-1} = sha256(namespace)``, so a key names its whole prefix, not only its own tokens,
-and two conversations share a chunk exactly when they share every token up to its end. The
+with ``h_{-1} = sha256(namespace)`` (``sha256(namespace || ":" || scope)`` for a scope other than
+the shared one: a tenant, a ``cache_salt``), so a key names its whole prefix and its scope, not
+only its own tokens, and two conversations share a chunk exactly when they share every token up
+to its end and their scope. The scope is hashed in, never written in the key. The
 namespace carries the model fingerprint and the chunk's block format, so another model, other
 weights or another format never read these chunks. Python's ``hash()`` is never used (it is
 salted per process).
@@ -44,11 +48,11 @@ def model_fingerprint(model, name: str) -> str:
     return h.hexdigest()[:32]
 
 
-def chunk_keys(ids, chunk_tokens: int, namespace: str) -> list[str]:
-    """Keys of the whole chunks of ``ids`` (a partial last chunk has none)."""
+def chunk_keys(ids, chunk_tokens: int, namespace: str, scope: str = "") -> list[str]:
+    """Keys of the whole chunks of ``ids`` (a partial last chunk has none), in ``scope`` ("": shared)."""
     whole = len(ids) // chunk_tokens
     arr = np.asarray(list(ids[:whole * chunk_tokens]), dtype="<i4")
-    digest = hashlib.sha256(namespace.encode()).digest()
+    digest = hashlib.sha256((namespace + (f":{scope}" if scope else "")).encode()).digest()
     keys = []
     for i in range(whole):
         digest = hashlib.sha256(digest + arr[i * chunk_tokens:(i + 1) * chunk_tokens].tobytes()).digest()

@@ -2,12 +2,13 @@
 
     tier = RemoteTier.for_model(config, model, name, policy, min_match=16)   (``RemoteConfig``)
     tier.probe() -> bool             at start: is Redis there? (logged either way; never fatal)
-    tier.fetch(ids, beat=0) -> (cache | None, n)
+    tier.fetch(ids, beat=0, scope=SHARED) -> (cache | None, n)
                                      the longest run of stored chunks that prefixes ``ids`` and
                                      leaves one token to prefill, as a fresh cache of ``policy``
                                      holding exactly ``ids[:n]``; None unless ``n > beat`` (what
                                      the local store already offers) and ``n >= min_match``
-    tier.publish(ids, cache) -> int  chunks of ``ids`` (whole chunks, K/V of ``cache``) not yet
+    tier.publish(ids, cache, scope=SHARED) -> int
+                                     chunks of ``ids`` (whole chunks, K/V of ``cache``) not yet
                                      known to be in Redis: copied now, encoded and written by a
                                      background thread; returns how many were queued
     tier.flush(timeout) -> bool      wait for queued writes (tests, shutdown)
@@ -17,7 +18,9 @@ Lookup: keys of the prompt's whole chunks (``keys.chunk_keys``), one pipelined E
 then one MGET for the leading run that exists. Each value is checked (``codec.ChunkFormat``);
 the first chunk that is gone (evicted between the two calls) or fails its check ends the run:
 the prefix before it is used, never anything after it. A chunk that fails its check is logged,
-counted (``corrupt``), deleted from Redis, and the lookup is a miss past it. The K/V are
+counted (``corrupt``; ``bad_tag`` when its HMAC tag is missing or wrong under ``remote.secret``),
+deleted from Redis (a forged value would otherwise hold its key against the rightful write, which
+is ``SET NX``), and the lookup is a miss past it. The K/V are
 ingested (``TieredCache.from_legacy``) into a cache of the serving policy, so at full precision
 the result is bit-exact with the cache that wrote the chunks; an int4 format hands back the
 dequantized values (the serving policy then re-quantizes them if it quantizes).
@@ -43,13 +46,14 @@ from collections import OrderedDict
 
 import torch
 
-from tiercache.serve.remote.codec import ChunkError, ChunkFormat
+from tiercache.serve.remote.codec import ChunkError, ChunkFormat, ChunkTagError
 from tiercache.serve.remote.connector import RedisConnector, RemoteError
 from tiercache.serve.remote.keys import chunk_keys, model_fingerprint
+from tiercache.serve.tenants import SHARED
 
 log = logging.getLogger("tiercache.serve")
 WRITE_BATCH = 8  # chunks per SET pipeline
-COUNTERS = ("lookups", "hits", "misses", "cached_tokens", "errors", "timeouts", "corrupt", "vanished",
+COUNTERS = ("lookups", "hits", "misses", "cached_tokens", "errors", "timeouts", "corrupt", "bad_tag", "vanished",
             "chunks_read", "bytes_read", "chunks_written", "bytes_written", "writes_dropped", "writes_skipped")
 
 
@@ -74,13 +78,14 @@ class RemoteTier:
     @classmethod
     def for_model(cls, config, model, name: str, policy, min_match: int = 16, retry_after: float = 1.0) -> "RemoteTier":
         from tiercache.models.spec import ModelSpec
+        from tiercache.serve.remote.config import secret_of
 
         spec = ModelSpec.from_config(model.config)
         problem = _unsupported(spec)
         if problem:
             raise ValueError(f"store.remote: {problem}; the remote tier needs every layer to keep every token")
         param = next(model.parameters())
-        fmt = ChunkFormat(spec, param.dtype, config.quantize)
+        fmt = ChunkFormat(spec, param.dtype, config.quantize, secret=secret_of(config))
         namespace = f"tiercache:v1:{model_fingerprint(model, name)}:{fmt.name}"
         conn = RedisConnector(config.url, timeout=config.timeout, ttl=config.ttl)
         return cls(conn, fmt, namespace, config.chunk_tokens, policy, model.config, param.device, min_match,
@@ -94,8 +99,9 @@ class RemoteTier:
             self._failed(e, f"remote tier: Redis at {self.conn.url} is not reachable ({e}); serving without it, "
                             f"asking again every {self.retry_after:g}s")
             return False
-        log.info("remote tier: Redis at %s answers (chunks of %d tokens, format %s)", self.conn.url, self.chunk,
-                 self.fmt.name)
+        log.info("remote tier: Redis at %s answers (chunks of %d tokens, format %s, %s)", self.conn.url, self.chunk,
+                 self.fmt.name, "signed: HMAC-SHA256" if self.fmt.signed else
+                 "unsigned: anyone who can write to this Redis can write K/V; set remote.secret")
         return True
 
     def _ready(self) -> bool:
@@ -137,12 +143,12 @@ class RemoteTier:
                 self._known.popitem(last=False)
 
     # -- lookup ----------------------------------------------------------------------------------
-    def fetch(self, ids, beat: int = 0):
+    def fetch(self, ids, beat: int = 0, scope=SHARED):
         whole = (len(ids) - 1) // self.chunk  # one token is always left to prefill
         if whole * self.chunk <= beat or whole * self.chunk < self.min_match or not self._ready():
             return None, 0
         self._count(lookups=1)
-        keys = chunk_keys(ids[:whole * self.chunk], self.chunk, self.namespace)
+        keys = chunk_keys(ids[:whole * self.chunk], self.chunk, self.namespace, scope.digest)
         try:
             present = self.conn.exists(keys)  # [bool] per chunk, one round trip
             run = next((i for i, p in enumerate(present) if not p), len(present))
@@ -180,7 +186,7 @@ class RemoteTier:
             except ChunkError as e:
                 log.error("remote tier: chunk %d of a %d-chunk prefix refused (%s); using the %d tokens before it",
                           i, len(keys), e, i * self.chunk)
-                self._count(corrupt=1)
+                self._count(**{"bad_tag" if isinstance(e, ChunkTagError) else "corrupt": 1})
                 self._forget([key])
                 try:
                     self.conn.delete(key)
@@ -203,8 +209,8 @@ class RemoteTier:
         return None, 0
 
     # -- writes ----------------------------------------------------------------------------------
-    def publish(self, ids, cache) -> int:
-        keys = chunk_keys(ids[:cache.get_seq_length()], self.chunk, self.namespace)  # only what it holds
+    def publish(self, ids, cache, scope=SHARED) -> int:
+        keys = chunk_keys(ids[:cache.get_seq_length()], self.chunk, self.namespace, scope.digest)  # what it holds
         with self._lock:
             new = [i for i, k in enumerate(keys) if k not in self._known and k not in self._pending]
         if not new:
