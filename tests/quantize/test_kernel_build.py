@@ -251,3 +251,22 @@ def test_build_kernels_compiles_once_then_a_run_uses_the_kernel(tmp_path):
                          timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip().startswith(str(root / kernel_build.key(packed_cpu.kernel())))
+
+
+def test_serve_loads_the_kernel_before_requests(empty_root, no_compiling, caplog):
+    """``tiercache serve`` (``serve.server.build`` on the CPU) looks the kernel up at start-up: here
+    none is built, so it says so in its log (and the warning), and compiles nothing."""
+    from tiercache.serve import server
+
+    with caplog.at_level("INFO", logger="tiercache.serve"), pytest.warns(kernel_build.KernelNotBuiltWarning):
+        server._load_cpu_kernel()
+    assert "kernel not built" in caplog.text and "tiercache build-kernels" in caplog.text
+    assert packed_cpu._STATE == {"module": None}  # looked up once, before any request
+
+
+def test_serve_start_logs_the_loaded_kernel(packed_kernel, caplog):
+    from tiercache.serve import server
+
+    with caplog.at_level("INFO", logger="tiercache.serve"):
+        server._load_cpu_kernel()
+    assert "packed-attention CPU kernel loaded" in caplog.text and str(kernel_build.root()) in caplog.text
