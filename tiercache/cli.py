@@ -1,4 +1,4 @@
-"""The ``tiercache`` command: validate, plan, generate, bench.
+"""The ``tiercache`` command: validate, plan, generate, bench, serve, build-kernels.
 
     tiercache validate POLICY [--model M]           OK, or the PolicyError; exit 0 / 1
     tiercache plan POLICY --model M --context N --batch B [--weights int4] [--device cpu] [--prefill-chunk N]
@@ -10,6 +10,8 @@
     tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
                     [--api-key KEY | --api-keys FILE] [--max-active N] [--prefill-chunk N] [--step-tokens N]
                                                     the OpenAI-compatible server (tiercache.serve)
+    tiercache build-kernels [--dir DIR] [--check] [--verbose]
+                                                    compile the C++ CPU kernels once (tiercache.quantize.kernel_build)
 
 ``--model`` takes a built-in name (``tiercache.models.registry``: ``tiny``, the trained tiny model,
 no network; ``tiny-random``; ``smollm2-135m``, SmolLM2-135M-Instruct from the ``real`` extra), a
@@ -138,6 +140,34 @@ def _serve(args) -> int:
     return serve_main(args)
 
 
+def _build_kernels(args) -> int:
+    """Builds every C++ kernel for this torch and CPU (or, with ``--check``, says whether each is built)."""
+    import os
+
+    if args.dir is not None:
+        os.environ["TIERCACHE_KERNEL_DIR"] = args.dir
+    from tiercache.quantize import kernel_build
+
+    status = 0
+    for kernel in kernel_build.kernels():
+        if args.check:
+            path = kernel_build.locate(kernel)
+            print(f"{kernel.name}: {'built in ' + str(path) if path else 'not built (looked for ' + str(kernel_build.root() / kernel_build.key(kernel)) + ')'}")
+            status = status or (0 if path else 1)
+            continue
+        if kernel_build.locate(kernel) is None and kernel_build.compiler() is not None:
+            print(f"{kernel.name}: compiling (about a minute) into {kernel_build.root()} ...", flush=True)
+        try:
+            built = kernel_build.build(kernel, verbose=args.verbose)
+        except kernel_build.KernelBuildError as e:
+            return _error("build-kernels", str(e))
+        if built.compiled:
+            print(f"{kernel.name}: built in {built.seconds:.1f}s into {built.path}")
+        else:
+            print(f"{kernel.name}: already built in {built.path} (found in {built.seconds:.2f}s)")
+    return status
+
+
 def _bench(args, rest: list[str]) -> int:
     from tiercache.bench import main
 
@@ -201,6 +231,11 @@ def parser() -> argparse.ArgumentParser:
     keys.add_argument("--api-keys", default=None, metavar="FILE",
                       help="YAML: tenant name -> {key: SECRET} or {keys: [...]}, optional budget: SIZE; a tenant's "
                            "stored conversations are found only by its own requests (docs/serving-api.md)")
+    k = sub.add_parser("build-kernels", help="compile the C++ CPU kernels once for this torch and CPU (about a minute)")
+    k.add_argument("--dir", default=None, help="where builds live (default: $TIERCACHE_KERNEL_DIR, else "
+                                               "~/.cache/tiercache/kernels); runs look there through TIERCACHE_KERNEL_DIR")
+    k.add_argument("--check", action="store_true", help="build nothing: say whether each kernel is built (exit 1 if not)")
+    k.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
     return p
 
 
@@ -212,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate" and args.policy is None:
         args.policy = {"name": "full-precision"}
     try:
-        return {"validate": _validate, "plan": _plan, "generate": _generate, "serve": _serve}[args.command](args)
+        return {"validate": _validate, "plan": _plan, "generate": _generate, "serve": _serve,
+                "build-kernels": _build_kernels}[args.command](args)
     except CacheError as e:
         return _error(args.command, str(e))
 

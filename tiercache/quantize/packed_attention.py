@@ -27,9 +27,9 @@ in the keys' scale and offset already (``blocks.BlockCodec``); fp8 has no offset
 Kernels. ``key_scores`` / ``value_mix`` here are pure torch over all blocks at once: the
 reference, any layout (int2/4/8, fp8, either axis, meta8). On CUDA, ``packed_triton`` (a
 Triton split-K kernel, when triton imports) takes integer codes of any axis. ``packed_cpu`` is a small C++
-extension (built on first use, cached by torch) for the common CPU layouts (integer codes, keys
+extension (built ahead by ``tiercache build-kernels``, ``kernel_build``) for the common CPU layouts (integer codes, keys
 per channel, values per token): it reads each packed byte once and never writes the codes out
-as floats. Where it is missing (no compiler, ``TIERCACHE_PACKED_KERNEL=torch``, another layout
+as floats. Where it is missing (not built, ``TIERCACHE_PACKED_KERNEL=torch``, another layout
 or device) the torch reference runs: the same results within float rounding.
 """
 

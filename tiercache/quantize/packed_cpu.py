@@ -1,9 +1,10 @@
-"""The CPU kernels of packed attention: a small C++ extension, built on first use.
+"""The CPU kernels of packed attention: a small C++ extension, built ahead of use.
 
-    handles(codec, rows, which) -> bool     this kernel has the layout, and it is (or can be) built
+    handles(codec, rows, which) -> bool     this kernel has the layout, and it is built
     key_scores(q, codes, scale, offset, codec, out, skip)    writes ``out`` ``[B, H, M, N*G - skip]``
     value_mix(p, codes, scale, offset, codec, skip) -> [B, H, M, Dv]   ``p`` ``[B, H, M, N*G - skip]``
-    available() -> bool                     the extension is built (building it once if needed)
+    available() -> bool                     the extension is built and loaded (once per process)
+    kernel() -> kernel_build.Kernel         what ``tiercache build-kernels`` compiles
 
 Layouts: integer codes of 2, 4 or 8 bits (planar, ``blocks.pack``), with an offset; keys per
 channel (scale / offset ``[B, H, N, 1, D]``), values per token (``[B, H, N, G, n, 1]``), any
@@ -14,18 +15,20 @@ written: the keys kernel forms ``(q * s) . code + q . o`` per block (OpenMP over
 values kernel ``sum_t (p_t s_t) code_t`` plus the offset sums (OpenMP over heads and runs of
 blocks, partial sums added in torch).
 
-Built with ``torch.utils.cpp_extension.load_inline`` (g++, ``-O3 -march=native -fopenmp``)
-into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
-about a minute once per machine, then a load. ``TIERCACHE_PACKED_KERNEL=torch`` turns it off;
-a failed build is remembered (one warning) and the torch reference is used.
+Built by ``tiercache build-kernels`` (``make`` runs it; ``tiercache.quantize.kernel_build``) with
+``torch.utils.cpp_extension.load_inline`` (g++, ``-O3 -march=native -fopenmp``): about a minute,
+once per torch install and CPU, never inside a run. A run only loads that build; where there is
+none it warns once and uses the torch reference (``TIERCACHE_KERNEL_BUILD=lazy`` builds it at
+first use instead). ``TIERCACHE_PACKED_KERNEL=torch`` turns it off.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
+
+from tiercache.quantize import kernel_build
 
 NAME = "tiercache_packed_v9"
 
@@ -298,20 +301,19 @@ torch::Tensor value_mix(torch::Tensor codes, torch::Tensor scale, torch::Tensor 
 _STATE: dict = {}
 
 
+def kernel() -> kernel_build.Kernel:
+    """The extension's source and flags (``kernel_build`` keys its build by them)."""
+    return kernel_build.Kernel(NAME, SOURCE, ("key_scores", "value_mix", "attend"),
+                               cflags=("-O3", "-march=native", "-fopenmp", "-ffp-contract=off"), ldflags=("-fopenmp",))
+
+
 def available() -> bool:
-    """The extension, built (once per machine) and loaded (once per process); False if it cannot be."""
+    """The extension, built ahead (``tiercache build-kernels``) and loaded once per process; False
+    (with one warning naming the build step) where it is not built."""
     if "module" not in _STATE:
         _STATE["module"] = None
         if os.environ.get("TIERCACHE_PACKED_KERNEL", "") != "torch":
-            try:
-                from torch.utils.cpp_extension import load_inline
-
-                _STATE["module"] = load_inline(NAME, cpp_sources=SOURCE, functions=["key_scores", "value_mix", "attend"],
-                                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                                               extra_ldflags=["-fopenmp"], verbose=False)
-            except Exception as e:  # no compiler, no ninja: the torch reference serves
-                warnings.warn(f"tiercache: the packed-attention CPU kernel could not be built ({type(e).__name__}: "
-                              f"{e}); using the pure-torch path", stacklevel=2)
+            _STATE["module"] = kernel_build.load(kernel())
     return _STATE["module"] is not None
 
 

@@ -14,7 +14,8 @@ worker's thread has ended, and keeps on disk what the start refused. ``--api-key
 tenant: everyone with the key shares the store). ``--api-keys FILE`` (``tiercache.serve.tenants``)
 names several tenants, each with its keys and an optional budget: a tenant's stored conversations
 are found only by its own requests (and, within it, only by requests with the same
-``cache_salt``). A bad keys file stops the start, before the model is loaded.
+``cache_salt``). A bad keys file stops the start, before the model is loaded. On the CPU the
+packed-attention kernel is loaded before the app starts (``tiercache build-kernels`` builds it).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
     config = None if no_store else load_store_config(store)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     net, tok = load_model(model, device=device)
+    if torch.device(device).type == "cpu":
+        _load_cpu_kernel()
     eos = getattr(getattr(net, "generation_config", None), "eos_token_id", None)
     codec = Codec(tok, eos if isinstance(eos, (list, tuple)) else [eos] if isinstance(eos, int) else [])
     prefix_store = None
@@ -71,6 +74,19 @@ def build(model: str, policy=None, store=None, no_store: bool = False, persist=N
             keep = load_entries(prefix_store, persist, net.config, codec.vocab_size, worker.device).refused
         shutdown = functools.partial(close_store, worker, prefix_store, persist, keep)
     return create_app(worker, metrics, on_shutdown=shutdown, api_key=api_key or None, tenants=tenants), worker
+
+
+def _load_cpu_kernel() -> None:
+    """Loads the packed-attention CPU kernel before the first request (built ahead by ``tiercache
+    build-kernels``; ``TIERCACHE_KERNEL_BUILD=lazy`` builds it here, never inside a request); without
+    a build, quantized decode uses the torch path, and the start says so once."""
+    from tiercache.quantize import packed_cpu
+
+    if packed_cpu.available():
+        log.info("packed-attention CPU kernel loaded (%s)", getattr(packed_cpu._STATE["module"], "__file__", "?"))
+    elif os.environ.get("TIERCACHE_PACKED_KERNEL", "") != "torch":
+        log.warning("packed-attention CPU kernel not built: quantized decode uses the slower torch path "
+                    "(run `tiercache build-kernels` once, then restart)")
 
 
 def close_store(worker, store, persist=None, keep=()) -> None:
