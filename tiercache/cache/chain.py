@@ -54,12 +54,13 @@ from tiercache.policy.schema import LayerPolicy
 
 
 def make_storage(window: int | None = None, max_length: int | None = None, tier=None, chunk: int = CHUNK,
-                 padded: bool = False) -> KVLayer:
+                 padded: bool = False, geometric: bool = False) -> KVLayer:
     """``sliding`` when a window is given, else ``static`` when a max_length is, else ``full``.
 
     ``chunk``: tokens of capacity a growable buffer adds at a time (a quantized layer's store
     holds one packed block per "token" and grows ``STORE_CHUNK`` rows at a time, not 256:
-    its ``StoreSpec``). ``padded``: a
+    its ``StoreSpec``). ``geometric``: a full buffer regrows on ``capacity.grown_capacity``'s
+    ladder (full precision; a quantized store grows exactly). ``padded``: a
     static layer returns all ``max_length`` slots (only in a cache that is compileable as a
     whole, see ``tiercache.layers.static``).
     """
@@ -67,7 +68,7 @@ def make_storage(window: int | None = None, max_length: int | None = None, tier=
         return SlidingLayer(window, tier, chunk)
     if max_length is not None:
         return StaticLayer(max_length, tier, padded=padded)
-    return FullLayer(tier, chunk)
+    return FullLayer(tier, chunk, geometric)
 
 
 class Shared:
@@ -149,7 +150,7 @@ def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
     st = spec.store
 
     def storage(tier=None) -> KVLayer:
-        return make_storage(st.window, st.max_length, tier, st.chunk, st.padded)
+        return make_storage(st.window, st.max_length, tier, st.chunk, st.padded, st.geometric)
 
     if spec.offload is None:
         layer = storage()

@@ -15,12 +15,13 @@
         owned_outputs   ``kv_sharing == "store"``: later layers read this layer's K/V, so it returns
                         tensors that outlive other layers' updates (no shared workspace, no mirror views)
         cross           a cross-attention layer (encoder-decoder): wrapped in ``CrossAttention``
-    StoreSpec(kind, window, max_length, chunk, padded)
+    StoreSpec(kind, window, max_length, chunk, padded, geometric)
         ``kind`` full | static | sliding; ``window`` (sliding) and ``max_length`` (static) in the
         store's units: tokens, or packed blocks (rows) under Quantize; ``chunk``: capacity a
         growable store adds at a time; ``padded``: a static store returns all its slots (only
-        in a cache that is compileable as a whole). ``capacity(appended, step)``: what it
-        allocates (``layers/capacity.py``).
+        in a cache that is compileable as a whole); ``geometric``: a full store regrows on
+        ``grown_capacity``'s ladder (full precision; a quantized store grows exactly, a row
+        at a time). ``capacity(appended, step)``: what it allocates (``layers/capacity.py``).
     QuantizeSpec(codec, residual_length, sink_tokens, window, max_length)
         ``codec`` the block format (``quantize/codec.CodecSpec``); ``window`` / ``max_length``
         in tokens; ``sinks`` the attention sinks kept exact (none on a sliding layer)
@@ -48,10 +49,11 @@ class StoreSpec:
     max_length: int | None = None
     chunk: int = CHUNK
     padded: bool = False
+    geometric: bool = False  # a full buffer regrows on capacity.grown_capacity's ladder
 
     def capacity(self, appended: int, step: int = 1) -> int:
         """Capacity (tokens, or rows) after ``appended`` were appended ``step`` at a time (steady decoding)."""
-        return store_capacity(self.kind, appended, self.window, self.max_length, self.chunk, step)
+        return store_capacity(self.kind, appended, self.window, self.max_length, self.chunk, step, self.geometric)
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,8 @@ def spec_for(lp: LayerPolicy, padded: bool = False) -> ChainSpec:
     q = lp.quantize
     if q is None:
         kind = "sliding" if window is not None else ("static" if max_length is not None else "full")
-        store, quantize = StoreSpec(kind, window, max_length if kind == "static" else None, CHUNK, padded), None
+        store = StoreSpec(kind, window, max_length if kind == "static" else None, CHUNK, padded, kind == "full")
+        quantize = None
     else:
         g = q.group_size
         if window is not None:

@@ -40,18 +40,32 @@ __all__ = ["CompileableCache", "build_static"]
 
 
 class _CountedStatic(StaticLayer):
-    """``StaticLayer`` (padded) whose token count is its device position alone: an int eagerly, the
-    tensor under ``torch.compile`` (its host mirror would make dynamo guard on the position)."""
+    """``StaticLayer`` (padded) whose token count is its device position under ``torch.compile``
+    (a host int there would make dynamo guard on it and recompile every token), and eagerly a
+    host count that eager writes keep, so an eager update never reads the device. A compiled
+    step only marks that count stale (an attribute store, replayed after the graph: no guard);
+    the next eager read takes the device position once (one sync after a run of compiled steps)."""
+
+    _count = 0  # tokens held, as the eager writes left it
+    _stale = False  # compiled steps moved ``position`` since
 
     @property
     def length(self):
         if self.position is None:
             return 0
-        return self.position.clone() if torch.compiler.is_compiling() else int(self.position)  # a copy: += on it
+        if torch.compiler.is_compiling():
+            return self.position.clone()  # a copy: += on it
+        if self._stale:
+            self._count, self._stale = int(self.position), False
+        return self._count
 
     @length.setter
     def length(self, value) -> None:
-        pass  # every writer of ``length`` has moved ``position`` to the same count
+        # every writer of ``length`` has moved ``position`` to the same count
+        if torch.compiler.is_compiling():
+            self._stale = True
+        else:
+            self._count, self._stale = value, False
 
 
 def build_static(lp: LayerPolicy):

@@ -5,6 +5,11 @@ Interface
         -> what ``model.generate`` returns (the prompt and the new tokens)
     prefill(model, input_ids, cache, chunk, attention_mask=None) -> None
         runs ``input_ids`` through ``cache`` in chunks of ``chunk`` tokens (no logits kept)
+    reserve(cache, tokens) -> None
+        tells each layer of ``cache`` the context it will hold (the layer protocol's ``reserve``
+        hook; no-op for caches without it): a full-precision buffer (host or device) then
+        allocates that room once, and the chunks copy nothing when they land. ``prefill``
+        reserves the prompt, ``generate`` the prompt plus ``max_new_tokens``.
 
 Why: ``generate`` prefills the whole prompt in one forward, so its activations grow with the
 prompt (at 128k tokens one MLP activation of an 8B model is 3.7 GB). In chunks of ``C`` tokens
@@ -49,6 +54,7 @@ def generate(model, input_ids: torch.Tensor, cache, prefill_chunk: int | None = 
     _check_ids(input_ids, attention_mask)
     if prefill_chunk is None:
         prefill_chunk = default_chunk(model, input_ids, cache, generate_kwargs.get("max_new_tokens") or 0)
+    reserve(cache, input_ids.shape[1] + (generate_kwargs.get("max_new_tokens") or 0))
     prefill(model, input_ids[:, :-1], cache, prefill_chunk,
             None if attention_mask is None else attention_mask[:, :-1])
     if attention_mask is None:
@@ -65,6 +71,7 @@ def prefill(model, input_ids: torch.Tensor, cache, chunk: int, attention_mask=No
         raise CacheError(f"prefill needs an empty cache, this one holds {cache.get_seq_length()} tokens; "
                          "reset() or crop it first")
     n = input_ids.shape[1]
+    reserve(cache, n)
     if attention_mask is not None:
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # [B, T]
     else:
@@ -76,6 +83,13 @@ def prefill(model, input_ids: torch.Tensor, cache, chunk: int, attention_mask=No
             input_ids.shape[0], end, dtype=torch.long, device=input_ids.device)
         model(input_ids=input_ids[:, start:end], attention_mask=mask, position_ids=positions[:, start:end],
               **cache_arg(cache), use_cache=True, **keep)
+
+
+def reserve(cache, tokens: int) -> None:
+    for layer in getattr(cache, "layers", ()):
+        hook = getattr(layer, "reserve", None)
+        if callable(hook):
+            hook(tokens)
 
 
 def default_chunk(model, input_ids: torch.Tensor, cache, new_tokens: int = 0) -> int:

@@ -161,6 +161,9 @@ class WithSideState(KVLayer):
     def recording(self) -> bool:
         return bool(self.attention.record_past)
 
+    def reserve(self, tokens: int) -> None:
+        self.attention.reserve(tokens)
+
     def prefetch(self) -> None:
         self.attention.prefetch()
 

@@ -166,6 +166,10 @@ class StateLayer(KVLayer):
         return bool(self.state is not None and self.state.record_past) or bool(
             self.attention is not None and self.attention.record_past)
 
+    def reserve(self, tokens: int) -> None:
+        if self.attention is not None:
+            self.attention.reserve(tokens)
+
     def prefetch(self) -> None:
         if self.attention is not None:
             self.attention.prefetch()

@@ -69,6 +69,9 @@ Lifecycle (what save / load / fork / retier are made of)
         ``seen``; Quantize splits blocks and residual by the KIVI rule). Replaces any state.
 
 Optional hooks (no-op defaults here)
+    reserve(tokens)     the layer will hold about ``tokens`` tokens (the context, when known):
+                        a growable full-precision buffer allocates that room at its next
+                        allocation, so filling up to it copies nothing (``layers/buffer.py``)
     prefetch()          start bringing the layer to the compute device (offload)
     evict()             drop any device copy of the layer (offload); the next use fetches it again
     can_adopt(other) / adopt(other)
@@ -195,6 +198,9 @@ class KVLayer(ABC):
         """Whether the layer has had an update since it was built or reset (transformers' layer
         attribute; read-only here). The default asks ``peek()``; layers answer it cheaply."""
         return self.peek() is not None
+
+    def reserve(self, tokens: int) -> None:
+        """Hook: room for ``tokens`` tokens in all, when the layer allocates next (a capacity hint)."""
 
     def prefetch(self) -> None:
         """Hook: begin moving this layer to the compute device ahead of use."""

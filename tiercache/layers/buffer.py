@@ -1,12 +1,18 @@
 """A contiguous, growable K/V buffer with chunked capacity: the memory behind ``full`` and ``sliding``.
 
 It holds tokens ``[start, end)`` of two tensors ``[B, H, capacity, D]`` allocated on a tier.
-Appending writes into spare capacity; only when that runs out is a larger buffer allocated
-(capacity rounded up to ``CHUNK`` tokens) and the held tokens copied once. So per-token cost
-does not grow with history, and readers get views, never a concatenation.
+Appending writes into spare capacity; only when that runs out is a larger buffer allocated and
+the held tokens copied once. So per-token cost does not grow with history, and readers get
+views, never a concatenation.
 
-``capacity_for(n)`` (``layers/capacity.py``, with ``CHUNK``) is the capacity a buffer that grew to
-``n`` tokens holds; the planner uses the same function to predict ``nbytes()`` exactly.
+How much a regrowth allocates (``layers/capacity.py``; the planner predicts ``nbytes()`` by the
+same functions): ``geometric`` (full-precision ``full`` storage) grows on the ladder of
+``grown_capacity`` (2^k and 1.5 x 2^k whole chunks: growing to a capacity ``C`` copies about
+``2.4 C`` tokens at most, however the tokens arrive, instead of the whole history at every chunk); otherwise
+(sliding buffers, quantized stores: chunk 1, exact packed size) ``capacity_for``, whole chunks.
+``reserve(tokens)`` grows once to ``capacity_for(tokens)`` when the context is known (chunked
+prefill), so filling up to it copies nothing. Each regrowth's copy is counted by
+``layers/regrowth.py`` under the tier's kind.
 
 ``state_dict()`` is ``spec``, ``capacity`` and the held ``keys`` / ``values`` (views, ``[B, H, n,
 D]``); ``load_state_dict(sd)`` allocates the same capacity on this buffer's own tier and copies
@@ -18,14 +24,17 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.layers.capacity import CHUNK, capacity_for  # the allocation rules (also the planner's)
+from tiercache.layers import regrowth
+from tiercache.layers.capacity import CHUNK, capacity_for, grown_capacity  # the allocation rules (also the planner's)
 from tiercache.layers.spec import KVSpec
 from tiercache.layers.state import empty_pair, field, held_pair, spec_from, spec_state
 
 class Buffer:
-    def __init__(self, tier, chunk: int = CHUNK):
+    def __init__(self, tier, chunk: int = CHUNK, geometric: bool = False):
         self.tier = tier
         self.chunk = chunk
+        self.geometric = bool(geometric)  # regrow on grown_capacity's ladder (else whole chunks)
+        self.reserved = 0  # tokens of room asked by ``reserve`` (0: none)
         self.spec: KVSpec | None = None
         self.keys: torch.Tensor | None = None  # [B, H, capacity, Dk]
         self.values: torch.Tensor | None = None  # [B, H, capacity, Dv]
@@ -117,6 +126,17 @@ class Buffer:
         self.values[:, :, self.end : self.end + t].copy_(value, non_blocking=True)
         self.end += t
 
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` held tokens in all: the next allocation (now, when tokens are held)
+        takes ``capacity_for(tokens)``, so appends up to it copy nothing. The largest asked stays
+        until ``reset_reserve()`` (a layer's ``reset``)."""
+        self.reserved = max(self.reserved, int(tokens))
+        if self.keys is not None and self.reserved > self.capacity:
+            self._regrow(self.reserved)
+
+    def reset_reserve(self) -> None:
+        self.reserved = 0
+
     def truncate(self, n: int) -> None:
         """Forget the newest ``n`` held tokens."""
         self.end -= n
@@ -152,7 +172,10 @@ class Buffer:
         return self.tier.empty((batch, s.heads, capacity, dim), s.dtype, s.device)
 
     def _regrow(self, needed: int) -> None:
-        capacity = capacity_for(needed, self.chunk)
+        if needed <= self.reserved:
+            capacity = capacity_for(self.reserved, self.chunk)
+        else:
+            capacity = (grown_capacity if self.geometric else capacity_for)(needed, self.chunk)
         held = len(self)
         if self.keys is not None and capacity <= self.capacity and self.start > 0:
             # Room enough once the dropped front is reclaimed: slide the held tokens down.
@@ -166,6 +189,7 @@ class Buffer:
                 k, v = self.view()
                 new_k[:, :, :held].copy_(k)
                 new_v[:, :, :held].copy_(v)
+                regrowth.record(self.tier.kind, k.numel() * k.element_size() + v.numel() * v.element_size())
             self._replace(new_k, new_v)
         self.start, self.end = 0, held
 

@@ -4,7 +4,14 @@ The layers allocate by them (``buffer.Buffer``, ``sliding.SlidingLayer``) and th
 (``tiercache.planner.footprint``) predicts ``nbytes()`` by them.
 
     CHUNK                                  tokens of capacity a growable buffer adds at a time
-    capacity_for(tokens, chunk) -> int     capacity of a buffer that grew to hold ``tokens``
+    capacity_for(tokens, chunk) -> int     ``tokens`` rounded up to whole chunks (what a buffer
+                                           reserved for ``tokens`` holds; sliding buffers)
+    grown_capacity(tokens, chunk) -> int   capacity of a buffer that *grew* to hold ``tokens``:
+                                           whole chunks on a ladder (1, 2, 3, 4, 6, 8, 12, 16
+                                           ... chunks: 2^k and 1.5 x 2^k), so growing to a
+                                           capacity ``C`` copies about ``2.4 C`` tokens at most
+                                           in all, and it holds at most 1.5x the whole chunks
+                                           it needs (a power of two: exactly)
     sliding_slack(window, chunk) -> int    tokens a sliding buffer appends between two slides:
                                            ``min(chunk, window)``
     long_update(held, t, capacity, chunk) -> bool
@@ -15,9 +22,11 @@ The layers allocate by them (``buffer.Buffer``, ``sliding.SlidingLayer``) and th
         a sliding buffer's capacity in steady decoding after ``tokens`` were appended ``step``
         at a time: ``window`` plus the slack, in chunks; when every step takes the long path,
         the ``window - 1`` kept plus the slack
-    store_capacity(kind, tokens, window, max_length, chunk, step=1) -> int
-        the same for any storage kind (``full`` | ``static`` | ``sliding``): ``capacity_for``,
-        ``max_length`` preallocated, or ``sliding_capacity``; 0 before the first token
+    store_capacity(kind, tokens, window, max_length, chunk, step=1, geometric=False) -> int
+        the same for any storage kind (``full`` | ``static`` | ``sliding``): ``grown_capacity``
+        (``geometric``: a full-precision buffer) or ``capacity_for`` (a quantized store, chunk 1:
+        its ``nbytes()`` stays the packed size), ``max_length`` preallocated, or
+        ``sliding_capacity``; 0 before the first token
 
 In units of the storage's "tokens": a quantized layer's store holds one packed block per row,
 so Quantize's store geometry (``quantize/geometry.py``) goes through the same rules.
@@ -31,6 +40,22 @@ CHUNK = 256  # tokens of capacity added at a time
 def capacity_for(tokens: int, chunk: int = CHUNK) -> int:
     """Capacity (tokens) of a buffer that grew to hold ``tokens``: rounded up to whole chunks."""
     return max(chunk, -(-tokens // chunk) * chunk)
+
+
+def grown_capacity(tokens: int, chunk: int = CHUNK) -> int:
+    """Capacity (tokens) of a buffer that grew to hold ``tokens``: the smallest step of the ladder
+    ``chunk`` x (1, 2, 3, 4, 6, 8, 12, 16, 24 ...: 2^k and 3 x 2^(k-1)) that holds them. It
+    depends on ``tokens`` alone (not on how they were appended), so the planner predicts it
+    exactly; a power-of-two number of chunks is held exactly (32k, 128k tokens: no slack), any
+    other count at most 1.5x its whole chunks; each step is 1.33x or 1.5x the one before, so
+    the copies of all regrowths up to a capacity ``C`` sum to about ``2.4 C`` at most (growing a
+    chunk at a time copies ``n^2 / (2 chunk)``)."""
+    n = max(1, -(-tokens // chunk))
+    if n <= 2:
+        return n * chunk
+    k = (n - 1).bit_length()  # 2^(k-1) < n <= 2^k
+    mid = 3 << (k - 2)  # 1.5 x 2^(k-1)
+    return (mid if n <= mid else 1 << k) * chunk
 
 
 def sliding_slack(window: int, chunk: int = CHUNK) -> int:
@@ -53,11 +78,11 @@ def sliding_capacity(tokens: int, window: int, chunk: int = CHUNK, step: int = 1
 
 
 def store_capacity(kind: str, tokens: int, window: int | None = None, max_length: int | None = None,
-                   chunk: int = CHUNK, step: int = 1) -> int:
+                   chunk: int = CHUNK, step: int = 1, geometric: bool = False) -> int:
     if tokens <= 0:
         return 0
     if kind == "static":
         return max_length
     if kind == "sliding":
         return sliding_capacity(tokens, window, chunk, step)
-    return capacity_for(tokens, chunk)
+    return grown_capacity(tokens, chunk) if geometric else capacity_for(tokens, chunk)

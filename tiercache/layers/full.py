@@ -11,8 +11,9 @@ from tiercache.layers.tiers import ComputeTier
 
 
 class FullLayer(KVLayer):
-    def __init__(self, tier=None, chunk: int = CHUNK):
-        self.buffer = Buffer(tier or ComputeTier(), chunk)  # chunk: capacity added at a time (tokens)
+    def __init__(self, tier=None, chunk: int = CHUNK, geometric: bool = True):
+        # chunk: capacity unit (tokens); geometric: regrow on capacity.grown_capacity's ladder
+        self.buffer = Buffer(tier or ComputeTier(), chunk, geometric)
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.buffer.append(key, value)
@@ -44,8 +45,12 @@ class FullLayer(KVLayer):
         check_repeats(repeats)
         self._gather(torch.arange(self._batch()).repeat_interleave(repeats))
 
+    def reserve(self, tokens: int) -> None:
+        self.buffer.reserve(tokens)
+
     def reset(self) -> None:
         self.buffer.clear()
+        self.buffer.reset_reserve()
 
     def close(self) -> None:
         self.buffer.clear()

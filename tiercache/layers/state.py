@@ -20,6 +20,7 @@ import torch
 
 from tiercache.errors import CacheError
 from tiercache.layers.spec import KVSpec
+from tiercache.offload.runtime import canonical_device
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8, torch.int64,
@@ -36,7 +37,7 @@ def spec_state(spec: KVSpec | None) -> dict | None:
     if spec is None:
         return None
     return {"batch": spec.batch, "heads": spec.heads, "key_dim": spec.key_dim, "value_dim": spec.value_dim,
-            "dtype": str(spec.dtype).replace("torch.", ""), "device": str(spec.device)}
+            "dtype": str(spec.dtype).replace("torch.", ""), "device": str(canonical_device(spec.device))}
 
 
 def spec_from(value) -> KVSpec | None:
@@ -46,7 +47,7 @@ def spec_from(value) -> KVSpec | None:
         ints = [value[f] for f in ("batch", "heads", "key_dim", "value_dim")]
         if not all(isinstance(x, int) and x >= 0 for x in ints):
             raise TypeError
-        return KVSpec(*ints, dtype_from(value["dtype"]), torch.device(value["device"]))
+        return KVSpec(*ints, dtype_from(value["dtype"]), canonical_device(value["device"]))
     except (KeyError, TypeError, RuntimeError) as e:
         raise CacheError(f"state: a layer spec needs batch, heads, key_dim, value_dim (ints), dtype and device; "
                          f"got {value!r}") from e

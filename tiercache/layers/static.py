@@ -9,6 +9,11 @@ otherwise (then attention would read the zero tail). So a cache that mixes stati
 sliding, offloaded or quantized ones builds them with ``padded=False``: they return exactly the
 held tokens (mask sizes as ``full``), still from the preallocated buffer, and are not
 compileable. An update that would pass ``max_length`` raises ``CacheError`` and writes nothing.
+
+A padded layer's buffers (K, V, position) are marked static for dynamo (``mark_static_address``,
+``mark_static``), as transformers' ``StaticCache`` does: their addresses never change, so a
+``reduce-overhead`` compile captures CUDA graphs over them instead of copying them in per call.
+An eager update reads nothing back from the device (the room check uses the host count).
 """
 
 from __future__ import annotations
@@ -20,6 +25,14 @@ from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, chec
 from tiercache.layers.spec import KVSpec
 from tiercache.layers.state import check_ingest, empty_pair, expect, field, held_pair, spec_from, spec_state
 from tiercache.layers.tiers import ComputeTier
+
+
+def mark_static(*tensors: torch.Tensor) -> None:
+    """Tell dynamo these preallocated buffers keep their address (``mark_static_address``,
+    unguarded: a new address re-records a CUDA graph rather than recompiling). Eager only."""
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
 
 
 class StaticLayer(KVLayer):
@@ -185,6 +198,8 @@ class StaticLayer(KVLayer):
         # assigned only once both allocations succeeded: a failure leaves the layer as it was
         self.k, self.v = keys.zero_(), values.zero_()
         self.position = torch.zeros((), dtype=torch.long, device=s.device)
+        if self.padded:
+            mark_static(self.k, self.v, self.position)
         self.spec = spec
 
     def _regather(self, index: torch.Tensor) -> None:

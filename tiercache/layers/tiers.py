@@ -24,10 +24,7 @@ from tiercache.offload import runtime
 
 def place_of(device: torch.device | str) -> str:
     """A stable name for a device: ``cpu``, ``cuda:0`` ..."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", runtime.current().current_device())
-    return str(device)
+    return str(runtime.canonical_device(device))
 
 
 class ComputeTier:

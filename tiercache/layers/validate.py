@@ -8,7 +8,8 @@
         - the layout: what the layer holds (``layer.layout()``, a ``KVSpec``; None before its
           first update, then any layout is learnt): batch, kv heads, key / value head dims, dtype
           and device must match (a layout with ``device=None`` takes any device: an offloaded
-          layer not yet bound to a compute device);
+          layer not yet bound to a compute device; devices compare in their canonical form,
+          ``offload.runtime.canonical_device``: a layout on ``cuda`` takes tensors on ``cuda:0``);
         - the room: a bounded layer that does not slide (static storage, quantized or not,
           offloaded or not: ``max_length() > 0``) must have room for ``T`` more tokens.
     check_layer_index(layer_idx, n, model_name)
@@ -39,6 +40,7 @@ import torch
 
 from tiercache.errors import CacheError
 from tiercache.layers.spec import KVSpec, check_pair
+from tiercache.offload.runtime import canonical_device
 
 _FIELDS = (
     ("batch", "batch size (use select / repeat_interleave / reorder to change it)"),
@@ -62,6 +64,8 @@ def check_update(layer, key: torch.Tensor, value: torch.Tensor, model: bool = Fa
         for field, what in _FIELDS:
             want = getattr(held, field)
             if want is not None and getattr(got, field) != want:
+                if field == "device" and canonical_device(want) == got.device:
+                    continue
                 raise CacheError(f"{what}: the layer holds {want}, the update has {getattr(got, field)}")
     check_room({None: layer}, key.shape[2])
 

@@ -37,6 +37,7 @@ import tempfile
 import torch
 
 from tiercache.errors import CacheError, PolicyError
+from tiercache.offload.runtime import canonical_device
 from tiercache.policy.schema import Policy
 
 FORMAT, VERSION = "tiercache-cache", 1
@@ -99,7 +100,7 @@ def load(cls, path, model, model_type: str | None, device=None, cross_cls=None):
     path = os.fspath(path)
     if device is not None:
         try:
-            device = str(torch.device(device))
+            device = str(canonical_device(device))  # cuda -> cuda:<current>: what its tensors report
         except (RuntimeError, TypeError) as e:
             raise CacheError(f"load: device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from e
     if not os.path.isfile(path):

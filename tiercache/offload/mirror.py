@@ -23,8 +23,9 @@ Interface
 
 Capacity: a fetch whose host rows allow one flat copy per tensor takes the host rows' capacity;
 otherwise, and when an append does not fit, the mirror gets ``mirror_capacity(held + new, pad)``
-(whole CHUNKs, at least ``pad``). Regrowing takes fresh slot bytes from the prefetcher; the held
-tokens are copied over, device to device.
+(``grown_capacity``: whole CHUNKs on its ladder of 2^k and 1.5 x 2^k, at least ``pad``). Regrowing takes
+fresh slot bytes from the prefetcher; the held tokens are copied over, device to device (counted
+by ``layers/regrowth.py`` under ``device``), about ``2.4 C`` bytes at most up to a capacity ``C``.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.layers.buffer import capacity_for
+from tiercache.layers.capacity import grown_capacity
 
 
 def mirror_capacity(need: int, floor: int = 0) -> int:
-    """Tokens (or block rows) a mirror is laid out for when it must hold ``need``: whole CHUNKs
-    (``capacity_for``), at least ``floor`` (a static layer's ``max_length``, or the host rows)."""
-    return max(capacity_for(need), floor)
+    """Tokens (or block rows) a mirror is laid out for when it must hold ``need``: whole CHUNKs on
+    ``grown_capacity``'s ladder, at least ``floor`` (a static layer's ``max_length``, or the host rows)."""
+    return max(grown_capacity(need), floor)
 
 
 def steady_capacity(host_capacity: int, kept: int, rows: int = 2, floor: int = 0) -> int:

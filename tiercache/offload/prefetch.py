@@ -66,6 +66,7 @@ import weakref
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.layers import regrowth
 from tiercache.offload import runtime
 from tiercache.offload.mirror import Mirror, layout_bytes, mirror_capacity, plan
 from tiercache.layers.tiers import place_of
@@ -193,6 +194,8 @@ class Prefetcher:
             slot.data = self._alloc(nbytes, home, key.device)  # fresh bytes: `old` stays valid
             slot.home = home
         mirror.relayout(cap, key, value, old)
+        if old is not None:
+            regrowth.record("device", sum(t.numel() * t.element_size() for t in old))
 
     def stats(self) -> dict[str, int]:
         """The counters (see the module docstring), by name."""

@@ -288,7 +288,7 @@ class Offload(KVLayer):
         self.device = None
         self.inner.load_state_dict(part(sd, "inner."))
         self.staged.clear()
-        self.device = None if device is None else torch.device(device)
+        self.device = device  # the setter stores it canonical (``cuda`` -> ``cuda:0``)
 
     def export(self):
         """The host copy, on the compute device (a copy there when that is not the CPU)."""
@@ -329,6 +329,10 @@ class Offload(KVLayer):
         self._settle()
         return self.inner.export()
 
+    def reserve(self, tokens: int) -> None:
+        """The host copy's room (the wrapped layer's); the mirror follows the host rows' capacity."""
+        self.inner.reserve(tokens)
+
     def evict(self) -> None:
         self._release_mirror()  # the prefetcher drops the mirror: no view of the slot is left
 
@@ -357,7 +361,7 @@ class Offload(KVLayer):
     def device(self, device) -> None:
         """The compute device; ``home`` (the stream device the prefetcher allocates the mirror on,
         None on the CPU) follows it, from the runtime."""
-        self._device = device
+        self._device = None if device is None else runtime.canonical_device(device)
         self.home = None if device is None else runtime.current().home_of(device)
 
     def _on(self, key: torch.Tensor) -> None:

@@ -17,7 +17,8 @@ Interface (``current()`` returns the runtime in use; ``installed(rt)`` swaps it 
     device_empty(nbytes, home)      ``[nbytes]`` uint8 device memory, allocated on the compute stream
     current_device() -> int         the index ``torch.device("cuda")`` means
 ``device_key(device)`` names a device for a cache of per-device tensors (simulated devices
-all say "cpu"). A ``Stream`` has ``wait_event(e)``, ``wait_stream(s)``, ``synchronize()``. Async copies are
+all say "cpu"). ``canonical_device(device)`` is the one form a device is stored and compared in:
+``cuda`` -> ``cuda:<current index>`` (what a tensor made there reports), ``cpu:N`` -> ``cpu``. A ``Stream`` has ``wait_event(e)``, ``wait_stream(s)``, ``synchronize()``. Async copies are
 ``dst.copy_(src, non_blocking=True)`` inside ``use(stream)`` (or on the compute stream).
 
 Two implementations: ``CudaRuntime`` (here; the torch.cuda objects themselves) and the
@@ -38,13 +39,13 @@ class CudaRuntime:
     def device_of(self, t: torch.Tensor):
         if not t.is_cuda:
             return None
-        return t.device if t.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        return t.device if t.device.index is not None else torch.device("cuda", self.current_device())
 
     def home_of(self, device):
         device = torch.device(device)
         if device.type != "cuda":
             return None
-        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        return device if device.index is not None else torch.device("cuda", self.current_device())
 
     def new_stream(self, home):
         return torch.cuda.Stream(home)
@@ -81,10 +82,25 @@ CUDA = CudaRuntime()
 _installed = []
 
 
+def canonical_device(device) -> torch.device:
+    """``device`` as a tensor allocated there reports it, so that stored and incoming devices compare
+    equal: ``cuda`` (no index) names the current CUDA device (``cuda:0`` ...), ``cpu:0`` is ``cpu``.
+    Without CUDA, ``cuda`` stays as it is (whoever allocates there raises the clear error)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        try:
+            return torch.device("cuda", current().current_device())
+        except (AssertionError, RuntimeError):  # torch without CUDA, or no device present
+            return device
+    return device
+
+
 def device_key(device) -> tuple:
     """A key naming ``device`` for caches of per-device tensors (simulated devices apart)."""
     home = current().home_of(device)
-    return torch.device(device), getattr(home, "index", None)  # an index: a cache never keeps a runtime alive
+    return canonical_device(device), getattr(home, "index", None)  # an index: a cache never keeps a runtime alive
 
 
 def current():

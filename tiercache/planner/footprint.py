@@ -17,7 +17,9 @@ builder builds), capacities from ``layers/capacity.py``, the packed row layout f
 ``quantize/codec.py`` and the residual split from ``quantize/geometry.py``. They describe a cache in steady
 decoding at ``tokens`` (a prefill, then single-token steps); right after a long prefill a
 sliding buffer can be one slack smaller.
-- ``full``: a buffer grown to ``capacity_for(tokens)`` (whole CHUNKs of 256 tokens);
+- ``full``: a buffer grown to ``grown_capacity(tokens)`` (whole CHUNKs of 256 tokens on a ladder
+  of 2^k and 1.5 x 2^k chunks; a cache reserved for its context (chunked prefill) holds
+  ``capacity_for(tokens)``, at most this);
 - ``sliding``: ``window`` tokens plus ``min(window, CHUNK)`` slack, in CHUNKs (``sliding_capacity``);
 - ``static``: ``max_length`` tokens, preallocated;
 - ``quantize`` (``quantize/processor.py``, ``blocks.py``): the residual, exactly the

@@ -15,7 +15,7 @@ Lines (device tier unless said):
   tiers; disk for files), prefetch mirrors, the dequantization workspace and a hybrid model's
   conv / recurrent states (``Plan.state_bytes``) included;
 - ``cache growth``: the largest layer's resident bytes once more: a buffer that regrows (a full
-  layer every 256 tokens, a quantized store at each flush, a ``DynamicCache`` at every step)
+  layer on its ladder (``capacity.grown_capacity``), a quantized store at each flush, a ``DynamicCache`` at every step)
   holds its old and new memory for a moment; on the host tier for offloaded layers;
 - ``activations``: the peak of one prefill chunk over the whole context
   (``tiercache.planner.activations``), or of a decode step if larger;

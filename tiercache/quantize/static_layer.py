@@ -32,6 +32,13 @@ Bounds: an eager update past ``max_length`` raises ``CacheError`` (``check_room`
 A compiled step cannot raise, so it clamps its indices (never writes out of bounds) and sets
 ``overflow``; the next eager use (``seq_length``, ``kv``, an update) raises ``CacheError``.
 
+Host reads: eager updates keep a host count of the tokens (``_count``), so an eager update (the
+prefill, a manual loop) reads nothing back from the device: no sync. A compiled step moves
+``position`` on the device and only marks the host count stale (an attribute store dynamo
+replays after the graph, no guard); the next eager use reads ``position`` and ``overflow`` once.
+The preallocated buffers are marked static for dynamo (``layers.static.mark_static``), so a
+``reduce-overhead`` compile captures CUDA graphs over them.
+
 Layouts: the native backend, integer codes of 2, 4 or 8 bits, either axis for keys and values,
 ``key_gain``, ``clip``; not fp8, ``meta_bits: 8`` or sinks (``supported`` says why, the chain
 builder raises it). The compiled step dequantizes in the graph (inductor fuses it): the packed
@@ -47,6 +54,7 @@ import torch
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
 from tiercache.layers.spec import KVSpec
+from tiercache.layers.static import mark_static
 from tiercache.layers.tiers import place_of
 from tiercache.quantize.blocks import BlockCodec, Codec
 
@@ -87,6 +95,7 @@ class StaticQuantized(KVLayer):
         self.spec: KVSpec | None = None
         self.codecs: tuple[BlockCodec, BlockCodec] | None = None
         self.krows = self.vrows = self.rk = self.rv = self.position = self.overflow = None
+        self._count, self._stale, self._overflowed = 0, False, False  # host view (module docstring)
 
     # -- the write path ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -122,11 +131,15 @@ class StaticQuantized(KVLayer):
         self.krows.index_copy_(2, rows, self.codecs[0].encode(self.rk))  # read only once the ring is full
         self.vrows.index_copy_(2, rows, self.codecs[1].encode(self.rv))
         self.position.add_(1)
+        if _compiling():
+            self._stale = True  # the host count catches up at the next eager read
+        else:
+            self._count += 1  # (room was checked eagerly: overflow stays False)
         return keys, values
 
     def _bulk(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Several tokens (eager): what as many one-token steps would leave; all of them exact in the output."""
-        t, p = key.shape[2], int(self.position)
+        t, p = key.shape[2], self._count  # (synced by surface())
         s = p % self.r
         base = p - s
         keys, values = self._dequantize(self.krows, 0), self._dequantize(self.vrows, 1)  # [B, H, L, D]
@@ -142,6 +155,7 @@ class StaticQuantized(KVLayer):
         self.rk[:, :, :rest].copy_(exact[0][:, :, flush:])
         self.rv[:, :, :rest].copy_(exact[1][:, :, flush:])
         self.position.fill_(p + t)
+        self._count = p + t
         return keys, values
 
     def _dequantize(self, rows: torch.Tensor, i: int) -> torch.Tensor:
@@ -162,9 +176,16 @@ class StaticQuantized(KVLayer):
         return x.reshape(b, h, n * c.g, c.d)
 
     # -- what the cache asks ----------------------------------------------------------------------
+    def _sync(self) -> None:
+        """After compiled steps: read the device position and overflow into the host view (one read)."""
+        if self._stale and self.position is not None:
+            count, over = torch.stack([self.position, self.overflow.long()]).tolist()
+            self._count, self._overflowed, self._stale = count, bool(over), False
+
     def surface(self) -> None:
         """Raise the ``CacheError`` a compiled step could not (it ran past ``max_length``)."""
-        if self.overflow is not None and bool(self.overflow):
+        self._sync()
+        if self._overflowed:
             raise CacheError(f"static quantized layer: a compiled decode step ran past max_length={self.limit} tokens "
                              "(its output is not valid); raise max_length in the policy or generate fewer tokens")
 
@@ -172,13 +193,14 @@ class StaticQuantized(KVLayer):
         return self.spec
 
     def seq_length(self):
-        """Tokens seen: an int eagerly (one read of the device counter), the counter itself under compile."""
+        """Tokens seen: the host count eagerly (read from the device only after compiled steps),
+        the device counter itself under compile."""
         if self.position is None:
             return 0
         if _compiling():
             return self.position.clone()
         self.surface()
-        return int(self.position)
+        return self._count
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.slots, 0
@@ -193,11 +215,13 @@ class StaticQuantized(KVLayer):
             return
         if n and n >= held:
             self.position.zero_()
+            self._count = 0
         elif n > held % self.r:
             raise CacheError(f"static quantized layer: crop({n}) reaches into packed blocks (only the newest "
                              f"{held % self.r} tokens, the residual, can be cropped)")
         elif n:
             self.position.sub_(n)
+            self._count -= n
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         if self.spec is not None:
@@ -217,6 +241,7 @@ class StaticQuantized(KVLayer):
     def reset(self) -> None:
         self.spec = self.codecs = None
         self.krows = self.vrows = self.rk = self.rv = self.position = self.overflow = None
+        self._count, self._stale, self._overflowed = 0, False, False
 
     @torch.no_grad()
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -282,10 +307,13 @@ class StaticQuantized(KVLayer):
         self.krows, self.vrows, self.rk, self.rv = krows, vrows, rk, rv
         self.position = torch.zeros((), dtype=torch.long, device=spec.device)
         self.overflow = torch.zeros((), dtype=torch.bool, device=spec.device)
+        self._count, self._stale, self._overflowed = 0, False, False
+        mark_static(*self._buffers(), self.position, self.overflow)
         self.spec, self.codecs = spec, codecs
 
     def _regather(self, index: torch.Tensor) -> None:
         index = index.to(self.position.device)
         bufs = [t.index_select(0, index) for t in self._buffers()]
         self.krows, self.vrows, self.rk, self.rv = bufs
+        mark_static(*bufs)
         self.spec = self.spec.with_batch(index.numel())
