@@ -102,6 +102,28 @@ def test_a_tenants_chunks_are_found_only_in_its_scope(model, redis_url):
     writer.close(), reader.close()
 
 
+def test_replicas_keep_tenants_apart_through_redis(model, redis_url):
+    """The store the worker sees (``SharedStore``): a put publishes under the request's scope, and
+    another replica's checkout finds it only in that scope."""
+    from tiercache.serve.remote.store import SharedStore
+    from tiercache.serve.store import PrefixStore
+
+    def replica():
+        local = PrefixStore([FULL], {}, lambda c: c.tier_nbytes(), block_size=8, min_match=8)
+        return SharedStore(local, tier_of(model, redis_url))
+
+    ids, alice = ids_of(100, seed=11), Scope.of("alice", "s")
+    first, second = replica(), replica()
+    assert first.put(ids, filled(model, ids), scope=alice)
+    assert first.tier.flush(20) and first.tier.stats()["chunks_written"] == 3
+    assert second.checkout(ids + [1], scope=Scope.of("bob", "s")) == (None, 0)
+    assert second.checkout(ids + [1]) == (None, 0)
+    got, n = second.checkout(ids + [1], scope=alice)
+    assert n == 96 and second.tier.stats()["hits"] == 1
+    got.close()
+    first.close(), second.close()
+
+
 def _works(model, url, seed) -> bool:
     tier = tier_of(model, url)
     try:
