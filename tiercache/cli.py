@@ -8,7 +8,7 @@
                                                     chunked prefill (tiercache.cache.prefill), then decode
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
     tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
-                    [--api-key KEY] [--max-active N] [--prefill-chunk N] [--step-tokens N]
+                    [--api-key KEY] [--max-active N] [--prefill-chunk N] [--step-tokens N] [--shutdown-timeout S]
                                                     the OpenAI-compatible server (tiercache.serve)
 
 ``--model`` takes a built-in name (``tiercache.models.registry``: ``tiny``, the trained tiny model,
@@ -28,7 +28,7 @@ import argparse
 import sys
 import time
 
-from tiercache.argtypes import non_negative_int, positive_int
+from tiercache.argtypes import non_negative_int, positive_int, positive_seconds
 from tiercache.errors import CacheError, PolicyError
 from tiercache.planner.weights import FORMATS
 
@@ -194,6 +194,9 @@ def parser() -> argparse.ArgumentParser:
                         "more than --max-active)")
     s.add_argument("--queue-size", type=positive_int, default=32, help="requests waiting before 429")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queue included")
+    s.add_argument("--shutdown-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
+                   help="after SIGTERM/SIGINT: seconds the running requests may take before they are cancelled, "
+                        "then the store is saved and the server exits 0 (default 30; a second signal exits at once)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TIERCACHE_API_KEY, else none)")
     return p

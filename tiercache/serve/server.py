@@ -10,10 +10,14 @@ precision); ``--store`` the budget and ladder (``configs/serve/store.yaml``; def
 loads them (checked) on start (``tiercache.serve.persist``): ``close_store`` saves only once the
 worker's thread has ended, and keeps on disk what the start refused. ``--api-key KEY`` (or
 ``TIERCACHE_API_KEY``) makes every ``/v1`` route ask for ``Authorization: Bearer KEY``.
+``--shutdown-timeout S`` (default 30): after SIGTERM / SIGINT, how long the requests already
+admitted may run on before they are cancelled (``tiercache.serve.lifecycle``); the store is then
+saved and the process exits 0. A second signal exits at once.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -110,5 +114,13 @@ def main(args) -> int:
     log.info("serving %r on http://%s:%d (store: %s, context %d tokens, API key: %s)", args.model, args.host,
              args.port, store_state, worker.context,
              "required" if getattr(args, "api_key", None) or os.environ.get("TIERCACHE_API_KEY") else "none")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+    from tiercache.serve.lifecycle import serve
+
+    code = serve(app, args.host, args.port, getattr(args, "shutdown_timeout", 30.0))
+    # Everything is saved and closed: run the exit handlers (disk tiers' directories, logging), then
+    # leave without the interpreter's teardown of torch and the model (seconds on a busy machine),
+    # so that an orchestrator's grace period is spent on the requests and the save.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
