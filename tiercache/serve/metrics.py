@@ -6,7 +6,7 @@
 Exported (prefix ``tiercache_``): ``store_hits_total``, ``store_misses_total``,
 ``cached_tokens_total`` (prompt tokens that came from the store), ``prefilled_tokens_total``,
 ``store_entries{tier}``, ``store_bytes{tier}``, ``store_reserved_bytes{tier}``,
-``store_budget_bytes{tier}``, ``store_demotions_total``, ``store_evictions_total``,
+``store_budget_bytes{tier}``, ``store_demotions_total``, ``store_demotion_seconds_total``, ``store_evictions_total``,
 ``queue_length``, ``active_requests``, ``requests_total``, ``failed_requests_total``,
 ``ttft_seconds`` and ``decode_tokens_per_second`` (histograms); with a remote tier, its
 ``tiercache_remote_*`` families (``tiercache.serve.remote.metrics``). Store and worker figures
@@ -46,6 +46,8 @@ class _Snapshot:
         yield _counter("cached_tokens_total", "prompt tokens that came from the store", s["cached_tokens"])
         yield _counter("store_demotions_total", "entries moved one rung down the ladder", s["demotions"])
         yield _counter("store_evictions_total", "entries dropped from the store", s["evictions"])
+        yield _counter("store_demotion_seconds_total", "seconds spent moving entries down the ladder (beside the "
+                       "step, on the store's thread)", s["demotion_seconds"])
         for key, name, doc in (("entries", "store_entries", "stored entries, by the tier holding most of each"),
                                ("bytes", "store_bytes", "bytes held by stored entries"),
                                ("reserved", "store_reserved_bytes", "bytes reserved for active requests"),

@@ -23,7 +23,8 @@ Interface (the store knows caches and token ids, never a model)
                                               a live reservation replaced by ``n`` whose needs add
                                               up to its own, each released on its own (the ``n``
                                               choices of one request, after its checkout)
-    store.stats() -> dict                     lock-free: the snapshot every change publishes
+    store.stats() -> dict                     lock-free: the snapshot every change publishes (counters,
+                                              ``demotion_seconds``: time spent demoting, bytes per tier)
     store.entries() -> [(ids, cache, rung)]   oldest first
     store.close()
     store.on_evict = fn(ids, cache)           optional: called with an entry leaving the last rung,
@@ -52,8 +53,9 @@ entry once taken). While a tier is over its budget, the least-recently-used entr
 there (never one a reservation will take) is demoted one rung, or evicted past the last rung; a
 failing ``retier`` evicts (logged). ``reserve`` first checks that the reservations alone fit every
 tier: if they do not, it changes nothing and answers None (emptying the store would not help).
-All methods hold one lock; the worker thread calls them. ``stats()`` takes no lock: the HTTP side
-reads a snapshot that every change publishes (a scrape never waits for a retier).
+All methods hold one lock; in the server, the store's own thread calls them
+(``tiercache.serve.keeper``), never the step. ``stats()`` takes no lock: the HTTP side reads a
+snapshot that every change publishes (a scrape never waits for a retier).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -110,6 +113,7 @@ class PrefixStore:
         self.on_evict = None  # fn(ids, cache): an entry evicted past the last rung (remote/store.py)
         self.counters = dict.fromkeys(("hits", "misses", "cached_tokens", "demotions", "evictions",
                                        "superseded", "rejected"), 0)
+        self.counters["demotion_seconds"] = 0.0  # time spent in retier moving entries down
         self._snapshot: dict = {}
         self._publish()
 
@@ -285,8 +289,10 @@ class PrefixStore:
 
     def _demote(self, entry: Entry) -> None:
         if entry.rung + 1 < len(self.ladder):
+            start = time.perf_counter()
             try:
                 entry.cache.retier(self.ladder[entry.rung + 1])
+                self.counters["demotion_seconds"] += time.perf_counter() - start
                 entry.rung += 1
                 entry.bytes = self.tier_bytes(entry.cache)
                 self.counters["demotions"] += 1
