@@ -43,7 +43,7 @@ class LiveServer:
         self.http = httpx.Client(base_url=self.url, timeout=60, trust_env=False)
         self._client = None
 
-    def wait_ready(self, timeout: float = 120.0) -> "LiveServer":
+    def wait_ready(self, timeout: float = 300.0) -> "LiveServer":
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
