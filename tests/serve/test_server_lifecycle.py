@@ -102,7 +102,9 @@ def test_a_non_streaming_client_that_disconnects_frees_its_slot_within_a_second(
 
 def test_health_answers_while_an_8_mib_body_is_prepared(server):
     """The body's JSON, the chat template and the tokenizer (8M byte-level tokens, then a 400: over
-    the context) run in a thread: /health is answered meanwhile."""
+    the context) run in a thread: /health is answered meanwhile, within 100 ms more than the
+    slowest of as many polls of the idle server (this machine may be shared: a poll can wait for
+    a core with or without the body; on the event loop, the preparation held it for over a second)."""
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "a" * (8 * 2**20 - 200)}]})
     result = {}
 
@@ -116,7 +118,12 @@ def test_health_answers_while_an_8_mib_body_is_prepared(server):
     sender = threading.Thread(target=send)
     latencies = []
     with httpx.Client(base_url=server.url, timeout=10, trust_env=False) as probe:
-        probe.get("/health")  # a warm connection
+        idle = []
+        for _ in range(30):
+            start = time.monotonic()
+            probe.get("/health")
+            idle.append(time.monotonic() - start)
+            time.sleep(0.01)
         sender.start()
         while sender.is_alive():
             start = time.monotonic()
@@ -127,7 +134,8 @@ def test_health_answers_while_an_8_mib_body_is_prepared(server):
     r = result["response"]
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert len(latencies) >= 10, (latencies, result["seconds"])  # polled all along the preparation
-    assert max(latencies) < 0.1, f"/health took {max(latencies) * 1e3:.0f} ms (preparation {result['seconds']:.2f}s)"
+    assert max(latencies) < 0.1 + max(idle), (f"/health took {max(latencies) * 1e3:.0f} ms (idle: at most "
+                                              f"{max(idle) * 1e3:.0f} ms; preparation {result['seconds']:.2f}s)")
 
 
 # -- shutdown -----------------------------------------------------------------------------------------
