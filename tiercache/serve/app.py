@@ -126,17 +126,15 @@ class _Flight:
     """One admitted request until its answer is sent: tracked for the drain, cancelled if left unfinished."""
 
     def __init__(self, life: Lifecycle, pipe: _Pipe, job):
-        self.pipe, self.job, self.finished = pipe, job, False
-        self._untrack = life.track(pipe, job)
-        self._untrack.__enter__()
+        self.life, self.pipe, self.job, self.finished = life, pipe, job, False
+        life.track(pipe, job)
 
     def close(self) -> None:
+        """Idempotent: the stream's end and the response's background task both call it."""
         if not self.finished:
             self.job.cancel()  # the client went away, or the response failed: the worker drops it
         self.finished = True
-        if self._untrack is not None:
-            untrack, self._untrack = self._untrack, None
-            untrack.__exit__(None, None, None)
+        self.life.untrack(self.pipe)
 
 
 async def _watch(request: Request, pipe: _Pipe, job) -> None:

@@ -2,7 +2,7 @@
 
     life = Lifecycle()                   app.state.lifecycle (``create_app`` makes one)
     life.admit()                         raises APIError 503 (``Retry-After``) once draining
-    with life.track(pipe, job): ...      an admitted request, until its answer is sent
+    life.track(pipe, job); life.untrack(pipe)     an admitted request, until its answer is sent
     await life.drain(timeout)            stop admitting, wait up to ``timeout`` s for the tracked
                                          requests, then end the rest with a 503 error event
     serve(app, host, port, shutdown_timeout) -> exit code     uvicorn with the signal handling below
@@ -51,16 +51,13 @@ class Lifecycle:
         if self.draining:
             raise shutting_down()
 
-    @contextlib.contextmanager
-    def track(self, pipe, job):
-        key = id(pipe)
-        self._live[key] = (pipe, job)
-        try:
-            yield
-        finally:
-            self._live.pop(key, None)
-            if not self._live and self._idle is not None:
-                self._idle.set()
+    def track(self, pipe, job) -> None:
+        self._live[id(pipe)] = (pipe, job)
+
+    def untrack(self, pipe) -> None:
+        self._live.pop(id(pipe), None)
+        if not self._live and self._idle is not None:
+            self._idle.set()
 
     async def drain(self, timeout: float, grace: float = 2.0) -> int:
         """Stop admitting; wait up to ``timeout`` s for the tracked requests; cancel the rest (they
