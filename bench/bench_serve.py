@@ -1,6 +1,7 @@
 """The server under load, against live ``tiercache serve`` processes on 127.0.0.1 (the ``openai`` client).
 
     python bench/bench_serve.py --scenario load [--model tiny] [--repeats 2] [--out out/bench_serve]
+    python bench/bench_serve.py --scenario remote-lookup | demotion [--history 4000] [--repeats 3]
     python bench/bench_serve.py [--scenario turns] [--model tiny] [--conversations 2] [--turns 32] [--history 4000]
                                 [--max-tokens 16] [--store configs/serve/store.yaml] [--out out/bench_serve]
 
@@ -20,6 +21,11 @@ CPU may be shared: ``uptime`` is printed):
 - ``history``: time to first token of a short next turn after a stored ``--history``-token history
   (a ``--store`` server, the history answered once before) against the same request re-prefilled
   (a ``--no-store`` server). Goal: >= 10x faster.
+
+``--scenario remote-lookup`` and ``--scenario demotion`` (their code: ``bench/serve_stalls.py``;
+tiny models): the longest gap of a running stream while another request looks a ``--history``-token
+history up in Redis (``--chunk-tokens`` per chunk), or while the store demotes ``--entries`` stored
+histories to make room, against that work's own time. Goal: <= 1/4.
 
 ``--scenario turns`` (the default):
 
@@ -52,6 +58,7 @@ from tiercache.models.corpus import load_split
 from tiercache.serve.launch import LiveServer
 
 from serve_load import SCENARIOS, run_load  # a sibling module: bench/ is on the path of a script run from it
+from serve_stalls import STALLS
 
 TIERS = ("device", "host", "disk")
 
@@ -168,9 +175,27 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def run_stalls(args) -> dict:
+    """One of ``serve_stalls.STALLS`` (store work beside a running stream)."""
+    result = {"model": args.model, "machine": platform.platform(), "history": args.history}
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"{args.scenario} ({args.model}); {_uptime()}", flush=True)
+        result[args.scenario] = STALLS[args.scenario](args, Path(tmp))
+    result["uptime_after"] = _uptime()
+    print(f"after: {result['uptime_after']}")
+    return result
+
+
+def _uptime() -> str:
+    try:
+        return "load average " + " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "load average unknown"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scenario", default="turns", choices=["turns", "load", *SCENARIOS])
+    p.add_argument("--scenario", default="turns", choices=["turns", "load", *SCENARIOS, *STALLS])
     p.add_argument("--model", default="tiny")
     p.add_argument("--policy", default=None)
     p.add_argument("--store", default=None, help="store YAML for the store server (default: built-in budget)")
@@ -185,16 +210,23 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="concurrency: the server's torch threads (OMP_NUM_THREADS; 0: all cores)")
     p.add_argument("--long-prompt", type=int, default=3000, help="gap: tokens of the prompt that arrives")
+    p.add_argument("--chunk-tokens", type=int, default=128, help="remote-lookup: tokens per Redis chunk")
+    p.add_argument("--entries", type=int, default=4, help="demotion: stored histories demoted at once")
     p.add_argument("--chars-per-token", type=int, default=None,
                    help="characters of text per prompt token (default 1 for the byte-level tiny models, else 4)")
     args = p.parse_args(argv)
     if args.chars_per_token is None:
         args.chars_per_token = 1 if args.model.startswith("tiny") else 4
+    if args.scenario in STALLS and not args.model.startswith("tiny"):
+        p.error(f"--scenario {args.scenario} sizes its prompts in bytes: it runs the byte-level tiny models")
+    if args.scenario in STALLS and (args.history > 4000 or args.chunk_tokens < 16 or args.entries < 1):
+        p.error("remote-lookup / demotion: --history at most 4000 (the context is 4096), --chunk-tokens >= 16, "
+                "--entries >= 1")
     if args.scenario != "turns":
         if min(args.repeats, args.context, args.decode, args.long_prompt, args.history) < 1:
             p.error("--repeats, --context, --decode, --long-prompt and --history must be >= 1")
         args.threads = args.threads or None
-        result = run_load(args)
+        result = run_load(args) if args.scenario not in STALLS else run_stalls(args)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"bench_serve_{args.scenario}_{args.model.replace('/', '_')}.json"

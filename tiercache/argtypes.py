@@ -1,9 +1,11 @@
 """argparse types shared by the CLI (``tiercache.cli``) and the bench command (``tiercache.bench.command``):
-``positive_int`` (a whole number >= 1), ``non_negative_int`` (>= 0); the message says what was wrong."""
+``positive_int`` (a whole number >= 1), ``non_negative_int`` (>= 0), ``positive_seconds`` (a finite
+number > 0); the message says what was wrong."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def positive_int(text: str) -> int:
@@ -24,3 +26,14 @@ def _int_at_least(text: str, low: int) -> int:
     if n < low:
         raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
     return n
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not math.isfinite(x) or x <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return x

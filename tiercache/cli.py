@@ -9,6 +9,7 @@
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
     tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
                     [--api-key KEY | --api-keys FILE] [--max-active N] [--prefill-chunk N] [--step-tokens N]
+                    [--shutdown-timeout S]
                                                     the OpenAI-compatible server (tiercache.serve)
     tiercache build-kernels [--dir DIR] [--check] [--verbose]
                                                     compile the C++ CPU kernels once (tiercache.quantize.kernel_build)
@@ -30,7 +31,7 @@ import argparse
 import sys
 import time
 
-from tiercache.argtypes import non_negative_int, positive_int
+from tiercache.argtypes import non_negative_int, positive_int, positive_seconds
 from tiercache.errors import CacheError, PolicyError
 from tiercache.planner.weights import FORMATS
 
@@ -224,6 +225,9 @@ def parser() -> argparse.ArgumentParser:
                         "more than --max-active)")
     s.add_argument("--queue-size", type=positive_int, default=32, help="requests waiting before 429")
     s.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queue included")
+    s.add_argument("--shutdown-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
+                   help="after SIGTERM/SIGINT: seconds the running requests may take before they are cancelled, "
+                        "then the store is saved and the server exits 0 (default 30; a second signal exits at once)")
     keys = s.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None, metavar="KEY",
                       help="require 'Authorization: Bearer KEY' on /v1 routes: one tenant, every client shares the "

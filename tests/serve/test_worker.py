@@ -476,3 +476,60 @@ def test_stored_entries_hold_no_transient_buffers(tiny, policy):
         a = model(input_ids=torch.tensor([[5, 6]]), **cache_arg(back)).logits
         b = model(input_ids=torch.tensor([[5, 6]]), **cache_arg(twin)).logits
     torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+# -- shutdown and the store's own thread -------------------------------------------------------------------
+
+def test_stop_cancels_the_running_request_keeps_its_entry_and_refuses_the_queued_one(tiny):
+    """``stop`` (the worker's drain): the running request gets a 503 and the store keeps what it fed;
+    the one still queued gets a 503 and never starts."""
+    model, _ = tiny
+    w = make_worker(tiny, max_active=1)
+    w.start()
+    p = ids_of(60, 20)
+    running = Call(w, p, 3000, logit_bias={"257": -100})  # no end-of-sequence: it runs until stopped
+    while not running.events:
+        threading.Event().wait(0.01)
+    queued = Call(w, ids_of(61, 20), 5)
+    assert w.stop() and w.stopped
+    for call in (running, queued):
+        assert call.finished.is_set()
+        kind, data = call.events[-1]
+        assert kind == "error" and data["error"].status == 503 and data["error"].code == "shutting_down"
+    assert not any(k == "delta" for k, _ in queued.events)
+    (ids, cache), = stored(w).items()
+    assert list(ids[:20]) == p and 20 < len(ids) < 20 + 3000
+    assert_kv_matches(model, ids, cache)
+    assert w.store.stats()["reserved"]["device"] == 0
+
+
+def test_the_step_goes_on_while_a_store_call_waits(tiny, monkeypatch):
+    """A checkout that takes 1.5 s (a slow Redis, a big retier) holds only its own request: the
+    stream already running gets its tokens meanwhile, and the slow one answers as alone."""
+    model, codec = tiny
+    w = make_worker(tiny)
+    real = w.store.checkout
+    slow_started = threading.Event()
+
+    def slow_checkout(ids):
+        if len(ids) == 33:  # the second request's prompt
+            slow_started.set()
+            threading.Event().wait(1.5)
+        return real(ids)
+
+    monkeypatch.setattr(w.store, "checkout", slow_checkout)
+    w.start()
+    try:
+        first = Call(w, ids_of(62, 10), 3000, logit_bias={"257": -100})
+        while not first.events:
+            threading.Event().wait(0.01)
+        p = ids_of(63, 33)
+        second = Call(w, p, 5)
+        assert slow_started.wait(10)
+        before = len(first.events)
+        threading.Event().wait(1.0)  # inside the slow checkout
+        assert not second.events and len(first.events) > before + 5  # the stream went on
+        first.job.cancel()
+        assert second.result()[0] == codec.decode(reference(model, p, 5))
+    finally:
+        w.stop()

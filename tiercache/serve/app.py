@@ -20,13 +20,24 @@ the request timeout. Checks run before the request reaches the worker, so a bad 
 touches a stored cache. An error after a stream has started is sent as one ``data: {"error":
 ...}`` event before ``[DONE]``.
 
-A client that disconnects cancels its job: the worker stops at its next token and keeps, in the
-store, the prompt and the tokens generated so far.
+A client that disconnects cancels its job, streaming or not: a task per request watches the
+connection (ASGI ``http.disconnect``), so the worker drops it at its next step (the ``n`` choices
+of one request share one cancel flag and stop together) and keeps, in the store, the prompt and
+the tokens generated so far.
+
+Nothing that can wait runs on the event loop: decoding and parsing the body, the chat template,
+tokenizing (a body of up to ``max_body`` bytes) and the planner's check run in a thread
+(``asyncio.to_thread``), so ``/health`` and the running streams are answered meanwhile.
+
+Shutdown (``tiercache.serve.lifecycle``): once ``app.state.lifecycle`` drains, ``/v1`` requests
+and ``/health`` answer 503 with ``Retry-After``; the requests already admitted are tracked until
+their answer is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import time
@@ -34,9 +45,11 @@ import uuid
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tiercache.serve.errors import APIError
+from tiercache.serve.lifecycle import Lifecycle, shutting_down
 from tiercache.serve.protocol import check_vocabulary, parse_chat, parse_completion
 from tiercache.serve.responses import Choice, Shape, fingerprint, summed_usage
 
@@ -59,7 +72,7 @@ def _no_constants(name):
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(request: Request, limit: int):
+async def read_body(request: Request, limit: int) -> bytes:
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise APIError(413, f"the request body has {size} bytes; the limit is {limit}", code="body_too_large")
@@ -69,11 +82,21 @@ async def read_json(request: Request, limit: int):
         if total > limit:
             raise APIError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes):
+    """The body as JSON (in a thread; the UTF-8 decoding a slice at a time, so that a large body
+    never holds the GIL long: the event loop runs meanwhile)."""
+    decoder, parts = codecs.getincrementaldecoder("utf-8")(), []
     try:
-        text = b"".join(chunks).decode("utf-8")
+        for at in range(0, len(raw), 1 << 18):
+            parts.append(decoder.decode(raw[at:at + (1 << 18)]))
+        parts.append(decoder.decode(b"", final=True))
     except UnicodeDecodeError as e:
-        raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})",
+        raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {at + e.start})",
                        code="invalid_encoding") from None
+    text = "".join(parts)
     try:
         return json.loads(text, parse_constant=_no_constants)
     except ValueError as e:
@@ -104,6 +127,31 @@ def _key_check(tenants):
     return check
 
 
+class _Flight:
+    """One admitted request until its answer is sent: tracked for the drain, cancelled if left unfinished."""
+
+    def __init__(self, life: Lifecycle, pipe: _Pipe, job):
+        self.life, self.pipe, self.job, self.finished = life, pipe, job, False
+        life.track(pipe, job)
+
+    def close(self) -> None:
+        """Idempotent: the stream's end and the response's background task both call it."""
+        if not self.finished:
+            self.job.cancel()  # the client went away, or the response failed: the worker drops it
+        self.finished = True
+        self.life.untrack(self.pipe)
+
+
+async def _watch(request: Request, pipe: _Pipe, job) -> None:
+    """Until the client disconnects (the body is read: the next ASGI message is ``http.disconnect``)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            pipe.queue.put_nowait(("disconnected", {}))
+            return
+
+
 def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY, api_key: str | None = None,
                tenants=None) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -117,6 +165,7 @@ def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY,
                 await asyncio.to_thread(on_shutdown)
 
     app = FastAPI(title="tiercache serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    life = app.state.lifecycle = Lifecycle()
     created = int(time.time())
     if tenants is None and api_key is not None:
         from tiercache.serve.tenants import Tenants
@@ -144,8 +193,11 @@ def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY,
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": worker.model_name, "queue_length": worker.queue_length,
-                "active_requests": worker.active, "store": worker.store is not None}
+        body = {"status": "draining" if life.draining else "ok", "model": worker.model_name,
+                "queue_length": worker.queue_length, "active_requests": worker.active, "store": worker.store is not None}
+        if life.draining:  # a load balancer's probe takes this replica out
+            return JSONResponse(body, status_code=503, headers=shutting_down().headers)
+        return body
 
     @app.get("/v1/models", dependencies=auth)
     async def models():
@@ -167,63 +219,68 @@ def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY,
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, tenant: str | None = Depends(check_key)):
-        return await _serve(request, parse_chat(await read_json(request, max_body)), tenant)
+        return await _serve(request, parse_chat, tenant)
 
     @app.post("/v1/completions")
     async def completions(request: Request, tenant: str | None = Depends(check_key)):
-        return await _serve(request, parse_completion(await read_json(request, max_body)), tenant)
+        return await _serve(request, parse_completion, tenant)
 
-    async def _serve(request: Request, req, tenant: str | None = None):
+    def _prepare(raw: bytes, parse, emit, tenant):
+        """Body bytes -> a job (in a thread: JSON, fields, chat template, tokenizer, planner)."""
+        req = parse(parse_json(raw))
         req.tenant = tenant  # the store looks only in this tenant's (and cache_salt's) entries
-        pipe = _Pipe()
         check_vocabulary(req, worker.codec.vocab_size)
-        job = worker.prepare(req, pipe.emit)
+        return req, worker.prepare(req, emit)
+
+    async def _serve(request: Request, parse):
+        life.admit()
+        raw = await read_body(request, max_body)
+        pipe = _Pipe()
+        req, job = await asyncio.to_thread(_prepare, raw, parse, pipe.emit)
+        life.admit()  # a drain that began meanwhile
         worker.submit(job)
+        flight = _Flight(life, pipe, job)
         rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         shape = Shape(req, rid, worker.model_name, fp)
-        if req.stream:
-            return StreamingResponse(_stream(pipe, job, shape), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await _collect(request, pipe, job, shape)
+        if req.stream:  # starlette cancels the stream on a disconnect; close() runs either way
+            return StreamingResponse(_stream(pipe, flight, shape), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(flight.close))
+        watcher = asyncio.create_task(_watch(request, pipe, job))
+        try:
+            return await _collect(pipe, flight, shape)
+        finally:
+            watcher.cancel()
+            flight.close()
 
     return app
 
 
-async def _collect(request: Request, pipe: _Pipe, job, shape) -> JSONResponse:
+async def _collect(pipe: _Pipe, flight: _Flight, shape) -> JSONResponse:
     choices = {i: Choice(i) for i in range(shape.req.n)}
-    done, finished = 0, False
-    try:
-        while True:
-            try:
-                kind, data = await asyncio.wait_for(pipe.queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancel()
-                    return Response(status_code=499)
-                continue
-            choice = choices[data.get("index", 0)]
-            choice.entries += data.get("logprobs", ())
-            if kind == "delta":
-                choice.parts.append(data["text"])
-            elif kind == "error":
-                finished = True
-                job.cancel()  # the other choices of n stop too
-                return _error_response(data["error"])
-            else:
-                choice.finish_reason, choice.usage = data["finish_reason"], data["usage"]
-                done += 1
-                if done == len(choices):
-                    finished = True
-                    usage = summed_usage([choices[i].usage for i in sorted(choices)])
-                    return JSONResponse(shape.full(list(choices.values()), usage))
-    finally:
-        if not finished:
-            job.cancel()
+    done, job = 0, flight.job
+    while True:
+        kind, data = await pipe.queue.get()
+        if kind == "disconnected":
+            return Response(status_code=499)  # nobody reads it
+        choice = choices[data.get("index", 0)]
+        choice.entries += data.get("logprobs", ())
+        if kind == "delta":
+            choice.parts.append(data["text"])
+        elif kind == "error":
+            job.cancel()  # the other choices of n stop too
+            return _error_response(data["error"])
+        else:
+            choice.finish_reason, choice.usage = data["finish_reason"], data["usage"]
+            done += 1
+            if done == len(choices):
+                flight.finished = True
+                usage = summed_usage([choices[i].usage for i in sorted(choices)])
+                return JSONResponse(shape.full(list(choices.values()), usage))
 
 
-async def _stream(pipe: _Pipe, job, shape):
+async def _stream(pipe: _Pipe, flight: _Flight, shape):
     choices = {i: Choice(i) for i in range(shape.req.n)}
-    done, finished = 0, False
+    done, job = 0, flight.job
     try:
         if shape.chat:
             for i in choices:
@@ -236,7 +293,6 @@ async def _stream(pipe: _Pipe, job, shape):
                 text = data["text"]
                 yield shape.sse(shape.chunk(choice.index, {"content": text} if shape.chat else text, None, logprobs))
             elif kind == "error":
-                finished = True
                 job.cancel()  # the other choices of n stop too
                 yield shape.sse(data["error"].body())
                 yield "data: [DONE]\n\n"
@@ -247,11 +303,10 @@ async def _stream(pipe: _Pipe, job, shape):
                 yield shape.sse(shape.chunk(choice.index, {} if shape.chat else "", data["finish_reason"],
                                             logprobs if data.get("logprobs") else None))
                 if done == len(choices):
-                    finished = True
+                    flight.finished = True
                     if shape.req.include_usage:
                         yield shape.sse(shape.usage_chunk(summed_usage([choices[i].usage for i in sorted(choices)])))
                     yield "data: [DONE]\n\n"
                     return
     finally:
-        if not finished:
-            job.cancel()
+        flight.close()

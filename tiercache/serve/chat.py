@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from tiercache.serve.errors import APIError
 
+SLICE = 1 << 16  # characters tokenized per call of the byte-level tokenizer
+
 
 def fallback_template(messages) -> str:
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
@@ -33,8 +35,18 @@ class Codec:
 
     def encode(self, text: str) -> list[int]:
         if self.byte_level:
-            return self.tok.encode(text)
+            return self._bytes(text)
         return list(self.tok(text, add_special_tokens=True)["input_ids"])
+
+    def _bytes(self, text: str) -> list[int]:
+        """The byte-level ids, a slice at a time: a long text never holds the GIL for long (the
+        server prepares requests in a thread while its event loop answers)."""
+        if len(text) <= SLICE:
+            return self.tok.encode(text)
+        ids: list[int] = []
+        for at in range(0, len(text), SLICE):
+            ids += self.tok.encode(text[at:at + SLICE])
+        return ids
 
     def decode(self, ids) -> str:
         if self.byte_level:
@@ -44,7 +56,7 @@ class Codec:
     def chat(self, messages) -> list[int]:
         if not self.has_template:
             text = fallback_template(messages)
-            return self.tok.encode(text) if self.byte_level else list(self.tok(text)["input_ids"])
+            return self._bytes(text) if self.byte_level else list(self.tok(text)["input_ids"])
         try:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - jinja raises whatever the template says

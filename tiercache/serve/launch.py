@@ -2,7 +2,8 @@
 
     s = LiveServer("--model", "tiny", "--no-store", log_dir=path).wait_ready()
     s.url; s.http (an httpx client); s.client() (an ``openai.OpenAI``); s.metrics() -> {name: value}
-    s.stop() -> the log's tail
+    s.stop() -> the log's tail            (SIGTERM: the server drains, saves, exits)
+    s.signal(signal.SIGTERM); s.wait(timeout) -> exit code
 
 Only loopback: the clients ignore proxy settings from the environment.
 """
@@ -28,11 +29,11 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, *flags, log_dir: Path, threads: int | None = 1):
+    def __init__(self, *flags, log_dir: Path, threads: int | None = 1, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_PROXY": "127.0.0.1"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_PROXY": "127.0.0.1", **(env or {})}
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         self._log = open(self.log_path, "w")
@@ -42,7 +43,7 @@ class LiveServer:
         self.http = httpx.Client(base_url=self.url, timeout=60, trust_env=False)
         self._client = None
 
-    def wait_ready(self, timeout: float = 120.0) -> "LiveServer":
+    def wait_ready(self, timeout: float = 300.0) -> "LiveServer":
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -75,6 +76,13 @@ class LiveServer:
 
     def log(self) -> str:
         return self.log_path.read_text()[-5000:] if self.log_path.exists() else ""
+
+    def signal(self, sig) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        """The exit code once the process has ended (``subprocess.TimeoutExpired`` after ``timeout`` s)."""
+        return self.proc.wait(timeout)
 
     def stop(self) -> str:
         self.http.close()

@@ -6,7 +6,7 @@
 Exported (prefix ``tiercache_``): ``store_hits_total``, ``store_misses_total``,
 ``cached_tokens_total`` (prompt tokens that came from the store), ``prefilled_tokens_total``,
 ``store_entries{tier}``, ``store_bytes{tier}``, ``store_reserved_bytes{tier}``,
-``store_budget_bytes{tier}``, ``store_demotions_total``, ``store_evictions_total``,
+``store_budget_bytes{tier}``, ``store_demotions_total``, ``store_demotion_seconds_total``, ``store_evictions_total``,
 ``store_tenant_evictions_total`` (evicted to hold a tenant to its budget),
 ``store_tenant_bytes{tenant}`` (the bytes of each tenant's entries, every tier together),
 ``queue_length``, ``active_requests``, ``requests_total``, ``failed_requests_total``,
@@ -55,6 +55,8 @@ class _Snapshot:
         for tenant, n in sorted(s["tenant_bytes"].items()):
             g.add_metric([tenant], n)
         yield g
+        yield _counter("store_demotion_seconds_total", "seconds spent moving entries down the ladder (beside the "
+                       "step, on the store's thread)", s["demotion_seconds"])
         for key, name, doc in (("entries", "store_entries", "stored entries, by the tier holding most of each"),
                                ("bytes", "store_bytes", "bytes held by stored entries"),
                                ("reserved", "store_reserved_bytes", "bytes reserved for active requests"),

@@ -19,7 +19,11 @@ the files that the new manifest does not name removed. A save killed at any poin
 previous set whole (its manifest and every file it names); files it wrote before dying are named
 by no manifest and are removed by the next save. A directory without a manifest (written by an
 earlier tiercache), or whose manifest cannot be read, is read as one set of every ``*.tiercache``
-file in it, each entry shared (no scope).
+file in it, each entry shared (no scope). Each file is itself
+written under a temporary name, fsync-ed and renamed (``TieredCache.save``), so no partial file
+ever carries an entry's name; the temporary files of a killed save are removed by the next save.
+``$TIERCACHE_TEST_PERSIST_PAUSE`` (seconds, tests only) sleeps after each file: a test can kill
+the process in the middle of a save.
 
 Loading never deletes. A file that fails a check is refused, logged with the reason, and kept: it
 is named again by the next save's manifest (``keep``), so a restart with the wrong ``--model`` or
@@ -37,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import NamedTuple
@@ -45,6 +50,7 @@ log = logging.getLogger("tiercache.serve")
 SUFFIX = ".tiercache"
 MANIFEST = "manifest.json"
 FORMAT, VERSION = "tiercache-store", 1
+PAUSE_ENV = "TIERCACHE_TEST_PERSIST_PAUSE"  # tests only: seconds to sleep after each entry file is written
 
 
 class Loaded(NamedTuple):
@@ -59,18 +65,25 @@ def save_entries(store, directory, keep=()) -> int:
     before = {r["file"]: r for r in _records(directory)}  # a kept file keeps its record (its scope)
     kept = [before.get(name, {"file": name, "tokens": None}) for name in keep if (directory / name).is_file()]
     saved = []
-    for i, (ids, cache, _, scope) in enumerate(store.records()):  # oldest first
+    records = store.records()
+    log.info("persist: saving %d entries to %s", len(records), directory)
+    pause = float(os.environ.get(PAUSE_ENV) or 0)
+    for i, (ids, cache, _, scope) in enumerate(records):  # oldest first
         name = f"entry-{tag}-{i:06d}{SUFFIX}"
         try:
-            cache.save(directory / name, token_ids=list(ids))
+            cache.save(directory / name, token_ids=list(ids))  # a temporary file, fsync, rename
             saved.append({"file": name, "tokens": len(ids), **_scope_fields(scope)})
         except Exception as e:  # noqa: BLE001 - one entry that cannot be saved does not stop the others
             log.error("persist: could not save an entry of %d tokens to %s: %s", len(ids), directory / name, e)
+        if pause > 0:
+            time.sleep(pause)
     _commit(directory, {"format": FORMAT, "version": VERSION, "entries": kept + saved})
     named = {r["file"] for r in kept + saved}
     for path in directory.glob(f"*{SUFFIX}"):
         if path.name not in named:  # the previous set's files, and any an interrupted save left
             path.unlink(missing_ok=True)
+    for path in directory.glob(".*.tmp"):  # temporary files of a save killed mid-write
+        path.unlink(missing_ok=True)
     store.close()
     log.info("persist: saved %d entries to %s%s", len(saved), directory,
              f" (and kept {len(kept)} refused at start)" if kept else "")

@@ -73,8 +73,8 @@ class Sequence:
         """This step's row: a prefill chunk of at most ``budget`` tokens, or one token."""
         if self.done:
             return None
-        if self.cache is None:
-            self._checkout()
+        if self.cache is None:  # without a store (with one, the keeper checked it out)
+            self.checkout()
         if self.prefilling:
             ids = self.job.ids[self.fed:self.fed + max(1, budget)]
             return Row(self.cache, ids, sample=self.fed + len(ids) == len(self.job.ids), position=self.fed)
@@ -95,7 +95,8 @@ class Sequence:
                     self._fork_choices(logits)
             self._accept(logits)
 
-    def _checkout(self) -> None:
+    def checkout(self) -> None:
+        """The store's longest prefix of the prompt, or a new cache (the keeper's thread, with a store)."""
         ids = self.job.ids
         cache, n = self.w.store.checkout(ids, scope=self.job.scope) if self.w.store is not None else (None, 0)
         if cache is None:
@@ -112,14 +113,18 @@ class Sequence:
                 child.cache, child.cached, child.fed = self.cache.fork(), self.cached, self.fed
                 child.t_first = self.t_first
                 children.append(child)
-            # the worker releases each choice's share of the reservation when that choice ends
-            shares = self.w.store.split(self.job.reservation, n) if self.job.reservation is not None else ()
         except Exception:  # this request fails whole; its full reservation is released with it
             for child in children:
                 child._discard()
             raise
-        for seq, share in zip([self, *children], shares):
-            seq.job.reservation, seq.job.need = share, share.need
+        if self.job.reservation is not None:  # each choice's share, released when that choice ends
+            family = [self, *children]
+
+            def split(store, whole=self.job.reservation):
+                for seq, share in zip(family, store.split(whole, n)):
+                    seq.job.reservation, seq.job.need = share, share.need
+
+            self.w.store_call(split)  # before any call that releases a share: calls run in order
         for child in children:
             try:
                 child._accept(logits)
@@ -179,9 +184,9 @@ class Sequence:
             return
         if self.w.store is None or self.choice or self.fed == 0:  # one entry per request: choice 0's
             return cache.close()
-        # the reservation ends first, then the entry is counted
-        self.w.store.put((self.job.ids + self.generated)[:self.fed], cache, release=self.job.reservation,
-                         scope=self.job.scope)
+        # the reservation ends first (read when the call runs: a split may replace it), then the entry is counted
+        ids, job = (self.job.ids + self.generated)[:self.fed], self.job
+        self.w.store_call(lambda store: store.put(ids, cache, release=job.reservation, scope=job.scope))
 
     def _discard(self) -> None:
         self.done = True

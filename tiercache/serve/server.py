@@ -16,10 +16,14 @@ names several tenants, each with its keys and an optional budget: a tenant's sto
 are found only by its own requests (and, within it, only by requests with the same
 ``cache_salt``). A bad keys file stops the start, before the model is loaded. On the CPU the
 packed-attention kernel is loaded before the app starts (``tiercache build-kernels`` builds it).
+``--shutdown-timeout S`` (default 30): after SIGTERM / SIGINT, how long the requests already
+admitted may run on before they are cancelled (``tiercache.serve.lifecycle``); the store is then
+saved and the process exits 0. A second signal exits at once.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -142,5 +146,13 @@ def main(args) -> int:
             else "none: one store for every client")
     log.info("serving %r on http://%s:%d (store: %s, context %d tokens, API key: %s)", args.model, args.host,
              args.port, store_state, worker.context, keys)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+    from tiercache.serve.lifecycle import serve
+
+    code = serve(app, args.host, args.port, getattr(args, "shutdown_timeout", 30.0))
+    # Everything is saved and closed: run the exit handlers (disk tiers' directories, logging), then
+    # leave without the interpreter's teardown of torch and the model (seconds on a busy machine),
+    # so that an orchestrator's grace period is spent on the requests and the save.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -26,7 +26,8 @@ Interface (the store knows caches and token ids, never a model)
                                               a live reservation replaced by ``n`` whose needs add
                                               up to its own, each released on its own (the ``n``
                                               choices of one request, after its checkout)
-    store.stats() -> dict                     lock-free: the snapshot every change publishes
+    store.stats() -> dict                     lock-free: the snapshot every change publishes (counters,
+                                              ``demotion_seconds``: time spent demoting, bytes per tier)
     store.entries() -> [(ids, cache, rung)]   oldest first
     store.records() -> [(ids, cache, rung, scope)]   the same, with each entry's scope (persist)
     store.close()
@@ -64,8 +65,9 @@ bytes (every tier, reservations not counted) are over it, its least-recently-use
 reservation will take is evicted, never another tenant's (``tenant_evictions``, also counted in
 ``evictions``).
 
-All methods hold one lock; the worker thread calls them. ``stats()`` takes no lock: the HTTP side
-reads a snapshot that every change publishes (a scrape never waits for a retier).
+All methods hold one lock; in the server, the store's own thread calls them
+(``tiercache.serve.keeper``), never the step. ``stats()`` takes no lock: the HTTP side reads a
+snapshot that every change publishes (a scrape never waits for a retier).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -127,6 +130,7 @@ class PrefixStore:
         self.on_evict = None  # fn(ids, cache, scope): an entry evicted past the last rung (remote/store.py)
         self.counters = dict.fromkeys(("hits", "misses", "cached_tokens", "demotions", "evictions",
                                        "tenant_evictions", "superseded", "rejected"), 0)
+        self.counters["demotion_seconds"] = 0.0  # time spent in retier moving entries down
         self._snapshot: dict = {}
         self._publish()
 
@@ -329,8 +333,10 @@ class PrefixStore:
 
     def _demote(self, entry: Entry) -> None:
         if entry.rung + 1 < len(self.ladder):
+            start = time.perf_counter()
             try:
                 entry.cache.retier(self.ladder[entry.rung + 1])
+                self.counters["demotion_seconds"] += time.perf_counter() - start
                 entry.rung += 1
                 entry.bytes = self.tier_bytes(entry.cache)
                 self.counters["demotions"] += 1

@@ -12,17 +12,24 @@
 ``emit(kind, **data)`` is called on the worker thread: ``("delta", text=...)``, then
 ``("done", finish_reason=..., usage=...)``, or ``("error", error=APIError)``.
 
-Scheduling: up to ``max_active`` sequences are active. Each turn of the loop is one *step*: one
+Scheduling: up to ``max_active`` sequences are active (or being prepared). Each turn of the loop is one *step*: one
 forward of the model over every active sequence (``tiercache.serve.batch.run_rows``: the rows
 are packed into one input, attention runs per sequence against its own ``TieredCache``). A step
 holds one token of every decoding sequence plus at most one prefill chunk: the oldest sequence
 still prefilling feeds ``min(prefill_chunk, step_tokens - decoding rows)`` more of its prompt
 (after the store's prefix reuse), so a long prompt arrives a chunk per step and never freezes
-the streams already running. A job is admitted when the store can reserve the bytes its cache
-may grow to (prompt + max_tokens, from the planner; ``job.reservation``); until then it waits at
-the head of the queue. The reservation ends when the cache goes back to the store
-(``store.put(..., release=)``: first the reservation, then the entry is counted) or, for a request
-that stores nothing, when it leaves the active set (``_retire``). The ``n`` choices of one request
+the streams already running. With a store, every store call runs on the store's own thread
+(``tiercache.serve.keeper.StoreKeeper``), never on the step thread: a job is handed to it, which
+reserves the bytes its cache may grow to (prompt + max_tokens, from the planner;
+``job.reservation``; demoting or evicting entries to make room; until there is room the job waits
+at the head of the line), checks the store out (the local store, or Redis behind it) and hands a
+ready ``Sequence`` back: the job joins the batch at the next step, and the streams never wait for
+a lookup or a demotion. Handing a cache back (``store.put(..., release=)``: first the
+reservation, then the entry is counted, then whatever must move is demoted), releasing a
+reservation (a request that stores nothing, when it leaves the active set: ``_retire``) and
+splitting one are calls handed over in order (``keeper.run``). ``active`` counts the sequences
+in the batch, those being prepared and the calls not yet done (a finished request is idle once
+its cache is back in the store). The ``n`` choices of one request
 split it (``store.split``; ``adopt`` takes the forked ones, rows from the next step on). A request
 whose cache cannot fit the budget even alone is refused by ``prepare``, before any work.
 
@@ -42,6 +49,7 @@ from dataclasses import dataclass, field
 
 from tiercache.serve.batch import run_rows
 from tiercache.serve.errors import APIError
+from tiercache.serve.keeper import StoreKeeper
 from tiercache.serve.protocol import DEFAULT_MAX_TOKENS, Request
 from tiercache.serve.sequence import Sequence
 from tiercache.serve.tenants import SHARED, Scope
@@ -98,8 +106,11 @@ class Worker:
         self.prefill_chunk, self.step_tokens = prefill_chunk, step_tokens
         self.counters = {"prefilled_tokens": 0, "requests": 0, "failed": 0}
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
-        self._waiting: Job | None = None
         self._active: list[Sequence] = []
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # from the keeper: a Sequence, or None
+        self._preparing = 0  # jobs handed to the keeper, not yet back through _ready
+        self._wake = threading.Event()  # a job was submitted or is ready
+        self.keeper = StoreKeeper(self, store, self._hand_over) if store is not None else None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tiercache-worker", daemon=True)
 
@@ -161,34 +172,56 @@ class Worker:
             raise APIError(429, f"the server is busy ({self._queue.maxsize} requests queued); retry shortly",
                            code="queue_full", headers={"Retry-After": "1"}) from None
         self.counters["requests"] += 1
+        self._wake.set()
 
     @property
     def queue_length(self) -> int:
-        return self._queue.qsize() + (self._waiting is not None)
+        return self._queue.qsize()
 
     @property
     def active(self) -> int:
-        return len(self._active)
+        """Requests in the batch, being prepared, or handing their cache back."""
+        return len(self._active) + self._preparing + (self.keeper.pending if self.keeper is not None else 0)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
+        if self.keeper is not None:
+            self.keeper.start()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> bool:
-        """Stop the loop (active requests end cancelled, kept in the store; queued ones get 503).
-        True when the thread has ended; False when it is still inside a step after ``timeout``
-        seconds: then the caches may still change, and nothing may save or close the store."""
+        """Stop the loop (active requests end cancelled, kept in the store; queued ones get 503),
+        then the keeper (its queued calls done). True when both threads have ended; False when one
+        is still busy after ``timeout`` seconds: then the caches may still change, and nothing may
+        save or close the store."""
         self._stopping.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive() and self.keeper is not None and self.keeper.close(timeout):
+            self._drain_ready()  # prepared after the loop's drain: their calls now run at once
         if not self.stopped:
-            log.error("the worker is still running %gs after the stop (inside a forward?)", timeout)
+            log.error("the worker is still running %gs after the stop (inside a forward or a store call?)", timeout)
         return self.stopped
 
     @property
     def stopped(self) -> bool:
-        """The thread has ended (or never started): no step is running and none will."""
-        return not self._thread.is_alive()
+        """Both threads have ended (or never started): no step or store call is running and none will."""
+        return not self._thread.is_alive() and (self.keeper is None or not self.keeper.alive)
+
+    def store_call(self, fn) -> None:
+        """``fn(store)`` on the keeper's thread, after the calls handed over before it."""
+        self.keeper.run(fn)
+
+    def release(self, job) -> None:
+        """End ``job``'s reservation (read when the call runs: a split may have replaced it)."""
+        if self.keeper is not None:
+            self.store_call(lambda store: job.reservation is not None and store.release(job.reservation))
+
+    def _hand_over(self, seq) -> None:
+        """The keeper's answer for one job (on its thread): a ready Sequence, or None (answered)."""
+        self._ready.put(seq)
+        self._wake.set()
 
     # -- what sequences call ---------------------------------------------------------------------
     def new_cache(self, tokens: int):
@@ -200,8 +233,8 @@ class Worker:
         """A sequence forked by an active one (a choice of ``n``): runs from the next turn on."""
         if not seq.done:
             self._active.append(seq)
-        elif seq.job.reservation is not None:
-            self.store.release(seq.job.reservation)
+        else:
+            self.release(seq.job)
 
     def count(self, name: str, n: int) -> None:
         self.counters[name] += n
@@ -213,53 +246,49 @@ class Worker:
     # -- the loop --------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping.is_set():
+            self._wake.clear()
             self._admit()
             if not self._active:
-                if self._waiting is None:
-                    try:
-                        self._waiting = self._queue.get(timeout=0.1)
-                    except queue.Empty:
-                        pass
+                self._wake.wait(0.1)
                 continue
             self._step()
         self._drain()
 
     def _admit(self) -> None:
-        while len(self._active) < self.max_active:
-            job = self._waiting
-            if job is None:
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    return
-            self._waiting = None
+        """Ready sequences join the batch; queued jobs go to the keeper (or start) while slots are free."""
+        while True:
             try:
-                if not self._admit_one(job):
-                    self._waiting = job
-                    return
+                seq = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            self._preparing -= 1
+            if seq is not None:
+                self._active.append(seq)
+        while len(self._active) + self._preparing < self.max_active:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._admit_one(job)
             except Exception as e:  # noqa: BLE001 - the loop must go on
                 log.exception("admitting a request failed")
                 self.counters["failed"] += 1
                 job.emit("error", error=APIError(500, f"could not start: {type(e).__name__}: {e}", code="internal_error"))
 
-    def _admit_one(self, job: Job) -> bool:
-        """Start ``job`` (or drop it, answered); False when it must wait for room."""
+    def _admit_one(self, job: Job) -> None:
+        """Hand ``job`` to the keeper (with a store), start it (without), or answer it."""
         if job.cancelled.is_set():
-            return True
+            return
         if time.perf_counter() > job.deadline:
             job.emit("error", error=APIError(504, f"the request timed out after {self.timeout:g}s in the queue",
                                              code="timeout"))
-            return True
-        if self.store is not None:
-            job.reservation = self.store.reserve(job.need, job.ids, scope=job.scope)  # its entry counted once
-            if job.reservation is None:
-                if self._active:  # room comes back when an active request finishes
-                    return False
-                job.emit("error", error=APIError(507, "not enough room in the store's budget for this request",
-                                                 code="kv_budget_exceeded"))
-                return True
+            return
+        if self.keeper is not None:
+            self._preparing += 1
+            self.keeper.admit(job)
+            return
         self._active.append(Sequence(job, self))
-        return True
 
     def _step(self) -> None:
         """One forward over every active sequence (see the module docstring)."""
@@ -321,21 +350,30 @@ class Worker:
     def _retire(self, seq: Sequence) -> None:
         if seq.done and seq in self._active:
             self._active.remove(seq)
-            if seq.job.reservation is not None:
-                self.store.release(seq.job.reservation)  # nothing if its put ended it already
+            self.release(seq.job)  # nothing if its put ended it already
 
     def _drain(self) -> None:
         err = APIError(503, "the server is shutting down", code="shutting_down")
         for seq in self._active:
             seq.stop("cancelled", err)
-            if seq.job.reservation is not None:
-                self.store.release(seq.job.reservation)
+            self.release(seq.job)
         self._active.clear()
-        pending = [self._waiting] if self._waiting is not None else []
+        self._drain_ready()
         while True:
             try:
-                pending.append(self._queue.get_nowait())
+                self._queue.get_nowait().emit("error", error=err)
             except queue.Empty:
                 break
-        for job in pending:
-            job.emit("error", error=err)
+
+    def _drain_ready(self) -> None:
+        """Sequences the keeper prepared that never joined the batch: cancelled, their cache kept."""
+        err = APIError(503, "the server is shutting down", code="shutting_down")
+        while True:
+            try:
+                seq = self._ready.get_nowait()
+            except queue.Empty:
+                return
+            self._preparing -= 1
+            if seq is not None:
+                seq.stop("cancelled", err)
+                self.release(seq.job)
