@@ -16,7 +16,7 @@ SCRIPTS = [
     pytest.param("family_sweep.py", ["--families", "llama,deepseek_v32,deepseek_v4,rwkv", "--json", "sweep.json"],
                  ["deepseek_v4                      served", "rwkv                             no cache use",
                   "tiercache gaps (0): none"], id="family-sweep"),
-    pytest.param("bench_first_run_rss.py", ["--prompt-tokens", "300", "--new", "4", "--scenarios", "fresh"],
+    pytest.param("bench_first_run_rss.py", ["--model", "tiny", "--context", "300", "--new", "4", "--scenarios", "fresh"],
                  ["| fresh | ", "ratio fresh: ", "x | ", "| yes |"], id="first-run-rss"),
     pytest.param("bench_core.py", ["--prompt", "96", "--new", "6", "--repeats", "1"],
                  ["ratio TieredCache / DynamicCache", "identical tokens: True", "| TieredCache (full) |"], id="core"),
