@@ -85,3 +85,44 @@ def test_plan_and_validate_take_the_built_in_models_offline(tmp_path, capsys, na
 def test_plan_refuses_counts_below_one(capsys, flag):
     argv = ["plan", "configs/default.yaml", "--model", "tiny", "--context", "10", flag, "0"]
     assert f"argument {flag}: must be >= 1, got 0" in _usage_error(capsys, argv)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "soon"])
+def test_serve_refuses_a_timeout_that_is_not_a_positive_number(capsys, value):
+    """A zero or negative limit would time out every request, NaN would never compare: refused before
+    the model is loaded (the usage error names the flag and what is allowed)."""
+    err = _usage_error(capsys, ["serve", "--model", "tiny", "--timeout", value])
+    assert "argument --timeout:" in err and "seconds" in err and "> 0" in err
+
+
+def test_the_worker_refuses_a_bad_timeout_too():
+    from tiercache.models.load import load_model
+    from tiercache.serve.worker import Worker
+
+    model, tok = load_model("tiny-random")
+    for bad in (0, -1.0, float("nan"), float("inf"), "600"):
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+            Worker(model, tok, None, model_name="tiny-random", timeout=bad)
+
+
+def test_plan_without_device_says_which_it_chose(capsys, monkeypatch):
+    """No --device: the plan is for cuda when a card is stated or CUDA is here, else for the CPU,
+    and the first line says which and why (the runtime line follows the choice)."""
+    import torch
+
+    argv = ["plan", "configs/int4-kivi.yaml", "--model", "Llama-3-8B", "--context", "4096"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("planning a cpu run: torch sees no CUDA device here; --device cuda plans")
+    assert "whole footprint on cpu" in out and "Python, torch, transformers resident set" in out
+    assert main([*argv, "--device", "cuda"]) == 0  # asked for: planned as asked, nothing to say
+    out = capsys.readouterr().out
+    assert "whole footprint on cuda" in out and "planning a" not in out
+    assert main([*argv, "--gpu-memory", "80GB"]) == 0  # a card is a GPU's memory
+    out = capsys.readouterr().out
+    assert out.startswith("planning a cuda run: a card is stated") and "whole footprint on cuda" in out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("planning a cuda run: torch sees a CUDA device here") and "whole footprint on cuda" in out

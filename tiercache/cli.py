@@ -3,6 +3,7 @@
     tiercache validate POLICY [--model M]           OK, or the PolicyError; exit 0 / 1
     tiercache plan POLICY --model M --context N --batch B [--weights int4] [--device cpu] [--prefill-chunk N]
                    [--encoder-length N]            (encoder-decoder models: cross-attention K/V counted)
+                   [--gpu-memory 24GB]             (the card: the whole footprint must fit it)
     tiercache generate --model M --policy POLICY (--prompt TEXT | --prompt-file F) [--max-new-tokens N]
                        [--prefill-chunk N] [--chat | --no-chat]
                                                     chunked prefill (tiercache.cache.prefill), then decode
@@ -33,6 +34,7 @@ import time
 
 from tiercache.argtypes import non_negative_int, positive_int, positive_seconds
 from tiercache.errors import CacheError, PolicyError
+from tiercache.planner.units import card_size
 from tiercache.planner.weights import FORMATS
 
 
@@ -61,7 +63,8 @@ def _plan(args) -> int:
     from tiercache.planner.api import main_plan
 
     return main_plan(args.policy, args.model, args.context, args.batch, encoder_length=args.encoder_length,
-                     weights=args.weights, device=args.device, prefill_chunk=args.prefill_chunk)
+                     weights=args.weights, device=args.device, prefill_chunk=args.prefill_chunk,
+                     gpu_memory=args.gpu_memory)
 
 
 def _generate(args) -> int:
@@ -188,11 +191,17 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--context", type=positive_int, required=True)
     pl.add_argument("--batch", type=positive_int, default=1)
     pl.add_argument("--weights", choices=FORMATS, default=None, help="weights format (default: the model's dtype)")
-    pl.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="compute device (default cuda)")
+    pl.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="compute device (default: cuda when --gpu-memory or the policy's budget.gpu_memory states "
+                         "a card or this machine has CUDA, else cpu; the plan's first line says which)")
     pl.add_argument("--prefill-chunk", type=positive_int, default=None,
                     help="tokens per prefill chunk (default: the largest that fits a scope: total budget, else 2048)")
     pl.add_argument("--encoder-length", type=positive_int, default=None,
                     help="encoder-decoder models: encoder output tokens, to count cross-attention K/V")
+    pl.add_argument("--gpu-memory", type=card_size, default=None, metavar="SIZE",
+                    help="the card's memory, e.g. 24GB (10^9 bytes, as cards are sold) or 22.35GiB (2^30): the "
+                         "verdict then also needs the whole footprint to fit it (default: the policy's "
+                         "budget.gpu_memory, if any)")
     g = sub.add_parser("generate", help="generate text with a policy")
     g.add_argument("--model", default="tiny",
                    help="tiny (default), tiny-random, smollm2-135m (the 'real' extra), a local model directory or a hub id")
@@ -224,7 +233,8 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens one step feeds at most: one per decoding request + the prefill chunk (default 512; "
                         "more than --max-active)")
     s.add_argument("--queue-size", type=positive_int, default=32, help="requests waiting before 429")
-    s.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take, queue included")
+    s.add_argument("--timeout", type=positive_seconds, default=600.0,
+                   help="seconds a request may take, queue included (a number > 0; default 600)")
     s.add_argument("--shutdown-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
                    help="after SIGTERM/SIGINT: seconds the running requests may take before they are cancelled, "
                         "then the store is saved and the server exits 0 (default 30; a second signal exits at once)")

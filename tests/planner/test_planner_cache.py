@@ -24,8 +24,8 @@ CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[2] / "configs").gl
 assert CONFIGS, "no configs/*.yaml found"
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128, head_dim=16)
 MODELS = {
-    "llama": lambda: LlamaConfig(num_hidden_layers=4, **SHAPE),
-    "gemma2": lambda: Gemma2Config(num_hidden_layers=4, sliding_window=64, **SHAPE),
+    "llama": lambda layers=4: LlamaConfig(num_hidden_layers=layers, **SHAPE),
+    "gemma2": lambda layers=4: Gemma2Config(num_hidden_layers=layers, sliding_window=64, **SHAPE),
     "mistral": lambda: MistralConfig(num_hidden_layers=3, sliding_window=200, **SHAPE),
 }
 # What layers cache differs from num_key_value_heads x head_dim: multi-query, latent attention
@@ -72,9 +72,18 @@ POLICIES = {
 }
 
 
+def _layers_for(policy, least: int = 4) -> int:
+    """Layers a small model needs for ``policy``'s overrides to name real layers, with a few beyond
+    them (a policy written for a 32-layer model names indices up to 31)."""
+    named = [i + 1 if i >= 0 else -i for o in policy.overrides for i in (o.layers or ())]
+    return max(least, max(named, default=0) + 4) if any(n > least for n in named) else least
+
+
 def _needs(policy) -> None:
     """Skip while the processor a policy needs has not landed yet."""
-    layer_policies = policy.resolve(ModelSpec("probe", 2, ("full_attention", "sliding_attention"), 2, 16, 64))
+    n = _layers_for(policy, 2)
+    layer_policies = policy.resolve(ModelSpec("probe", n, ("full_attention", "sliding_attention") * (n // 2) + (
+        ("full_attention",) if n % 2 else ()), 2, 16, 64))
     if policy.quantize is not None or any(lp.quantize for lp in layer_policies):
         pytest.importorskip("tiercache.quantize.processor")
     if policy.offload is not None or any(lp.offload for lp in layer_policies):
@@ -127,12 +136,13 @@ def _check(policy, config, monkeypatch, dtype=torch.float32, cache=None, exact_m
     return p
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[c.stem for c in CONFIGS])
+@pytest.mark.parametrize("path", [pytest.param(c, marks=pytest.mark.slow) if _layers_for(tiercache.load_policy(c)) > 4
+                                  else c for c in CONFIGS], ids=[c.stem for c in CONFIGS])  # widened models: slow
 @pytest.mark.parametrize("model", ["llama", "gemma2"])
 def test_every_config_matches_a_filled_cache(path, model, monkeypatch):
     policy = tiercache.load_policy(path)
     _needs(policy)
-    _check(policy, MODELS[model](), monkeypatch)
+    _check(policy, MODELS[model](_layers_for(policy)), monkeypatch)
 
 
 # mistral (every layer sliding) only where it adds a case: sliding layers quantized / offloaded

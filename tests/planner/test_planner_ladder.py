@@ -76,3 +76,22 @@ def test_a_rung_the_backend_cannot_do_is_rejected_with_a_reason(monkeypatch):
     assert isinstance(rows["int8-resident"], PolicyError) and isinstance(rows["int4-kivi-host"], Policy)
     p = plan(_auto("6GiB", "4GiB"), LLAMA8B, 1, 131072)
     assert "supports 4" in p.table() and p.policy.name == "a/int4-kivi-resident"
+
+
+def test_from_policy_auto_without_a_context_says_what_it_plans_for():
+    """An auto policy built without ``context_length`` (and no ``max_length``) warns that its rung was
+    chosen for 4096 tokens; with a context it chooses for that context, silently."""
+    import warnings
+
+    from tiercache import TieredCache
+
+    auto = _auto("1GiB")
+    with pytest.warns(UserWarning, match=r"auto: true and no context_length was given: its rung is chosen for "
+                                         r"4096 tokens; pass context_length="):
+        short = TieredCache.from_policy(auto, LLAMA8B)
+    assert short.policy.name == choose(auto, LLAMA8B, 1, 4096).name == "a/fp-resident"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        long = TieredCache.from_policy(auto, LLAMA8B, context_length=131072)
+    # 1 GiB holds 4096 tokens in full precision on the device, not 128k: the context changes the rung
+    assert long.policy.name == choose(auto, LLAMA8B, 1, 131072).name != "a/fp-resident"

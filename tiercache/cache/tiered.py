@@ -30,6 +30,8 @@ legacy tuples (``tiercache.cache.legacy``): ``from_legacy`` / ``to_legacy``; enc
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
@@ -44,6 +46,8 @@ from tiercache.layers.validate import check_layer_index, check_room, check_updat
 from tiercache.models.spec import ModelSpec, model_type_of, spec_of
 from tiercache.cache.placeholders import Placeholders
 from tiercache.policy.schema import Policy, load_policy
+
+AUTO_CONTEXT = 4096  # tokens an auto policy is planned for when neither context_length nor max_length is given
 
 
 class TieredCache(HybridStates, Cache):
@@ -75,7 +79,8 @@ class TieredCache(HybridStates, Cache):
 
         ``batch_size`` and ``context_length`` are only used by ``auto: true`` policies, which
         let the planner choose the least lossy rung that fits the budget; without a context
-        length the policy's ``max_length`` is planned for, else 4096 tokens.
+        length the policy's ``max_length`` is planned for, else 4096 tokens, and a
+        ``UserWarning`` says so (the rung that fits 4096 tokens may not fit the run's context).
         """
         policy = load_policy(policy)
         model = spec_of(model_config)
@@ -88,7 +93,11 @@ class TieredCache(HybridStates, Cache):
         if policy.auto:
             from tiercache.planner.api import check_sizes, choose
 
-            context = context_length if context_length is not None else (policy.max_length or 4096)
+            context = context_length if context_length is not None else (policy.max_length or AUTO_CONTEXT)
+            if context_length is None and policy.max_length is None:
+                warnings.warn(f"policy {policy.name!r} is auto: true and no context_length was given: its rung is "
+                              f"chosen for {AUTO_CONTEXT} tokens; pass context_length= (the tokens the cache will "
+                              "hold) or set policy.max_length", UserWarning, stacklevel=2)
             check_sizes(batch_size, context)
             policy = choose(policy, model, batch_size, context)
         return cls._build(policy, model, model_type_of(model_config))

@@ -1,6 +1,6 @@
 """The planner: what a policy costs before it runs.
 
-Modules: ``api`` (``plan``, ``choose``, ``main_plan``: the entry points), ``concrete`` (the per-layer
+Modules: ``api`` (``plan``, ``fits_card``, ``choose``, ``main_plan``: the entry points), ``concrete`` (the per-layer
 plan of one concrete policy and ``Plan``), ``resolve`` (a model name, a built-in model or a
 config.json -> ``ModelSpec``), ``footprint`` (bytes of one layer's chain per tier), ``ladder``
 (``auto``: the least lossy rung that fits), ``run`` / ``whole`` / ``activations`` / ``weights`` (the
@@ -10,7 +10,7 @@ whole footprint of a run: weights, activations, growth), ``table`` (the text tab
 
 
 def __getattr__(name):
-    if name in ("plan", "Plan", "choose"):
+    if name in ("plan", "Plan", "choose", "fits_card"):
         from tiercache.planner import api
 
         return getattr(api, name)

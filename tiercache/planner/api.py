@@ -9,6 +9,10 @@ Interface
         ``encoder_length`` the encoder output's, whose cross-attention K/V every decoder layer
         holds (``policy.cross_attention``, ``TieredCache.for_encoder_decoder``). Without it the
         cross-attention is not counted (the table says so).
+    fits_card(policy, model, batch_size, context_length, gpu_memory, **run) -> (bool, int)
+        whether the whole run's device footprint (weights, cache, growth, activations of a prefill
+        chunk, runtime, margin) fits a GPU of ``gpu_memory`` bytes, and that footprint in bytes;
+        what ``tiercache plan --gpu-memory`` checks, for a search that tries many policies
     choose(policy, model, batch, context) -> Policy
         the concrete policy an ``auto`` policy stands for (``TieredCache.from_policy`` calls it).
     resolve_model(name_or_path) -> ModelSpec
@@ -16,8 +20,8 @@ Interface
         a built-in model's or a local config.json's config (what ``resolve_model`` and the whole
         footprint's shapes both read); None for a preset or a hub id
     main_plan(policy_path, model, context, batch, out, err, encoder_length, **run) -> exit code (the
-        ``tiercache plan`` CLI; ``run``: ``weights``, ``device``, ``prefill_chunk``, ``runtime`` as
-        ``plan`` takes them)
+        ``tiercache plan`` CLI; ``run``: ``weights``, ``device``, ``prefill_chunk``, ``runtime``,
+        ``gpu_memory`` as ``plan`` takes them; no ``device``: chosen and said, see ``main_plan``)
 
 Plan
     .bytes       {"device", "host", "disk"}: bytes *held* once ``context_length`` tokens are in
@@ -31,8 +35,12 @@ Plan
                  ``.prefill_chunk`` the chunk size it was planned with.
     .fits        every tier named in ``policy.budget`` holds what the budget counts: with
                  ``budget.scope: cache`` (the default) the cache's bytes (``.bytes``, workspace
-                 and mirrors included); with ``scope: total`` the whole footprint's total.
-                 True when there is no budget.
+                 and mirrors included); with ``scope: total`` the whole footprint's total;
+                 and, on a CUDA run with a card stated (``.card``), the whole footprint's device
+                 total fits the card, whatever the scope. True when there is neither.
+    .card        the GPU's memory in bytes: ``plan(..., gpu_memory=)``, else the policy's
+                 ``budget.gpu_memory``, else None; ``.card_verdict()`` -> CardVerdict(used, card,
+                 fits, note) or None (no card, or a CPU run).
     .layers      one LayerRow per layer; ``.rungs`` (auto only) one Rung per ladder candidate.
     .cross_layers  encoder-decoder with ``encoder_length``: one LayerRow per cross-attention
                  layer (the ``cross_attention_cache`` half); their bytes, device mirrors and
@@ -62,24 +70,26 @@ from tiercache.planner.states import state_plan
 from tiercache.planner.units import human
 from tiercache.policy.schema import Policy, load_policy
 
-__all__ = ["Plan", "LayerRow", "plan", "choose", "resolve_model", "local_config", "main_plan", "tier_bytes", "human",
+__all__ = ["Plan", "LayerRow", "plan", "fits_card", "choose", "resolve_model", "local_config", "main_plan", "tier_bytes", "human",
            "check_sizes", "plan_concrete"]
 
 
 def plan(policy, model, batch_size: int = 1, context_length: int = 4096, encoder_length: int | None = None, *,
          weights: str | None = None, device: str = "cuda", prefill_chunk: int | None = None,
-         runtime: int | None = None) -> Plan:
+         runtime: int | None = None, gpu_memory: int | None = None) -> Plan:
     """``model`` may also be a loaded ``torch.nn.Module`` (its parameters are counted exactly).
     ``encoder_length``: an encoder-decoder model's encoder tokens (its cross-attention K/V are
     counted, in ``.cross_layers``, ``.bytes`` and the whole footprint's cache line).
     ``weights``: the weights' format (``tiercache.planner.weights.FORMATS``; default the model's dtype);
     ``device``: ``cuda`` or ``cpu`` (the attention kernel and the runtime line); ``prefill_chunk``:
     default the largest of ``activations.CHUNKS`` that fits a ``scope: total`` budget, else 2048;
-    ``runtime``: the runtime baseline in bytes (default ``whole.RUNTIME``)."""
+    ``runtime``: the runtime baseline in bytes (default ``whole.RUNTIME``); ``gpu_memory``: the
+    card's bytes (``24 * 10**9`` for a 24 GB card; a CUDA run only): the verdict then also needs
+    the whole footprint's device total to fit it, and the prefill chunk is chosen against it."""
     from tiercache.planner.run import RunSpec
 
     policy = load_policy(policy)
-    run = RunSpec.of(model, weights, device, prefill_chunk, runtime)
+    run = RunSpec.of(model, weights, device, prefill_chunk, runtime, gpu_memory)
     spec = model if isinstance(model, ModelSpec) else (
         resolve_model(model) if isinstance(model, (str, Path)) else ModelSpec.from_config(
             model.config if hasattr(model, "parameters") and hasattr(model, "config") else model))
@@ -118,12 +128,35 @@ def _config_of(model):
     return config
 
 
+def fits_card(policy, model, batch_size: int = 1, context_length: int = 4096, gpu_memory: int | None = None,
+              **run) -> tuple[bool, int]:
+    """Whether ``policy`` run on ``model`` at ``batch_size`` x ``context_length`` tokens fits a GPU of
+    ``gpu_memory`` bytes (``24 * 10**9`` for a "24 GB" card), and the whole footprint's device
+    total in bytes (``Plan.whole.total["device"]``: weights, cache, growth, activations, runtime,
+    margin). Only the card is judged, not the policy's cache budget; an ``auto`` policy is the
+    rung its ladder chooses against the card. ``run``: ``weights``, ``prefill_chunk``, ``runtime``
+    as ``plan`` takes them (the chunk, when not given, is the largest that fits). ``model``: a
+    name, a path, a config or a loaded model (a bare ``ModelSpec`` has no weights to count, so
+    it is refused). ``PolicyError`` on bad input, or when the weights cannot be counted."""
+    if gpu_memory is None:
+        raise PolicyError("fits_card: gpu_memory is the card's memory in bytes (24 * 10**9 for a 24 GB card), got None")
+    if isinstance(model, ModelSpec) and model.name.lower() not in PRESETS:
+        raise PolicyError(f"fits_card: a ModelSpec ({model.name}) gives no weight shapes; pass the model's config, "
+                          "name or path")
+    p = plan(policy, model, batch_size, context_length, gpu_memory=gpu_memory, **run)
+    verdict = p.card_verdict()
+    if verdict.note:
+        raise PolicyError(f"fits_card: {verdict.note}")
+    return verdict.fits, verdict.used
+
+
 def choose(policy, model, batch: int = 1, context: int = 4096) -> Policy:
     """The concrete policy an auto policy resolves to; PolicyError when no rung fits."""
     p = plan(policy, model, batch, context)
     if not p.fits:
+        card = p.card if p.card_verdict() is not None else None
         raise PolicyError(
-            f"policy.budget: no candidate of the auto ladder fits {budget_text(p.budget)} for "
+            f"policy.budget: no candidate of the auto ladder fits {budget_text(p.budget, card)} for "
             f"{p.model.name} at batch {batch}, context {context}; the smallest reachable is "
             f"{p.policy.name} with {bytes_text(p)}"
         )
@@ -135,11 +168,20 @@ def choose(policy, model, batch: int = 1, context: int = 4096) -> Policy:
 def main_plan(policy_path: str, model: str, context: int, batch: int, out=None, err=None,
               encoder_length: int | None = None, **run) -> int:
     """``tiercache plan``: print the table (``out``, default stdout); 0 when it fits, 1 when it does
-    not or on error (``tiercache plan: error: ...`` on ``err``, default stderr)."""
+    not or on error (``tiercache plan: error: ...`` on ``err``, default stderr). Without a
+    ``device`` the run is planned for ``run.default_device`` (cuda when a card is stated or torch
+    sees a CUDA device, else cpu), and the first line says which and why."""
     out = out if out is not None else sys.stdout  # looked up per call: sys.stdout may be replaced
     err = err if err is not None else sys.stderr
     try:
-        p = plan(load_policy(policy_path), model, batch, context, encoder_length, **run)
+        policy = load_policy(policy_path)
+        if run.get("device") is None:
+            from tiercache.planner.run import default_device
+
+            stated = run.get("gpu_memory") is not None or getattr(policy.budget, "gpu_memory", None) is not None
+            run["device"], why = default_device(stated)
+            print(f"planning a {run['device']} run: {why}", file=out)
+        p = plan(policy, model, batch, context, encoder_length, **run)
     except PolicyError as e:
         print(f"tiercache plan: error: {e}", file=err)
         return 1

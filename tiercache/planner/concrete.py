@@ -5,6 +5,7 @@ Interface
         ``states``: the model's conv / recurrent states (``tiercache.planner.states.StatePlan``):
         their bytes join the device total (``Plan.state_bytes``) and the table's states line
     Plan, LayerRow          (``Plan``'s fields: see ``tiercache.planner.api``)
+    CardVerdict             ``Plan.card_verdict()``: the whole footprint against a stated GPU's memory
     check_sizes(batch, context, name)   ``PolicyError`` unless both are ints >= 1
     tier_bytes(nbytes, device) -> {"device", "host", "disk"}   a cache's places mapped to tiers
     budget_text(budget), bytes_text(plan)   the words the planner's errors use
@@ -33,6 +34,16 @@ class LayerRow:
     mirror: int = 0  # bytes of its device mirror while fetched (offloaded layers)
 
 
+@dataclass(frozen=True)
+class CardVerdict:
+    """The whole run's device footprint against a GPU's memory (``Plan.card_verdict``)."""
+
+    used: int  # bytes: the whole footprint's device total (weights, cache, growth, activations, runtime, margin)
+    card: int  # bytes of the card
+    fits: bool
+    note: str = ""  # why it cannot fit whatever the bytes (unknown weights), else ""
+
+
 @dataclass
 class Plan:
     policy: Policy
@@ -53,6 +64,7 @@ class Plan:
     encoder_length: int | None = None
     states: object | None = None  # tiercache.planner.states.StatePlan (hybrid models), else None
     state_bytes: int = 0  # part of bytes["device"], like workspace: conv / recurrent states (0 when not predicted)
+    gpu_memory: int | None = None  # the card the caller stated (``plan(..., gpu_memory=)``); see ``card``
 
     @property
     def budget(self) -> Budget | None:
@@ -73,8 +85,32 @@ class Plan:
         return out
 
     @property
+    def card(self) -> int | None:
+        """The GPU's memory the whole run must fit: the caller's ``gpu_memory``, else the policy's
+        ``budget.gpu_memory``; None when neither states one."""
+        if self.gpu_memory is not None:
+            return self.gpu_memory
+        return getattr(self.budget, "gpu_memory", None) if self.budget is not None else None
+
+    def card_verdict(self) -> CardVerdict | None:
+        """The whole footprint's device total against ``card``; None when no card is stated, when
+        there is no whole footprint (a plan built without a run) or when the run is on the CPU (a
+        policy's card says nothing of host memory). Unknown weights (a hub id whose config is not
+        at hand) fail it: a total without them is no answer."""
+        card = self.card
+        if card is None or self.whole is None or self.whole.device != "cuda":
+            return None
+        used = self.whole.total["device"]
+        unknown = any(x.name == "weights" and x.note.startswith("unknown") for x in self.whole.lines)
+        return CardVerdict(used, int(card), used <= card and not unknown,
+                           "the weights are unknown for this model (no config at hand): the total leaves them out"
+                           if unknown else "")
+
+    @property
     def fits(self) -> bool:
-        return not self.problems and all(ok for _, _, ok in self.verdicts().values())
+        card = self.card_verdict()
+        return (not self.problems and all(ok for _, _, ok in self.verdicts().values())
+                and (card is None or card.fits))
 
     def table(self) -> str:
         from tiercache.planner.table import render
@@ -163,10 +199,13 @@ def _place(lp) -> str:
     return "host" if lp.offload.device == "cpu" else "disk"
 
 
-def budget_text(budget: Budget | None) -> str:
-    if budget is None:
-        return "no budget"
-    return ", ".join(f"{t} {human(getattr(budget, t))}" for t in TIERS if getattr(budget, t) is not None)
+def budget_text(budget: Budget | None, card: int | None = None) -> str:
+    from tiercache.planner.units import card_text
+
+    parts = [] if budget is None else [f"{t} {human(getattr(budget, t))}" for t in TIERS if getattr(budget, t) is not None]
+    if card is not None:
+        parts.append(f"a card of {card_text(card)} (the whole run)")
+    return ", ".join(parts) or "no budget"
 
 
 def bytes_text(p: Plan) -> str:

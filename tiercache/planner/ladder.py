@@ -24,7 +24,8 @@ its ``quantize`` section (if any) is the template for group_size, residual_lengt
 its ``offload`` section for prefetch, pin_memory and path. A rung the backend cannot do (e.g.
 quanto at 8 bits) is rejected with the backend's reason. The walk stops at the first rung
 whose plan fits every budgeted tier (with ``budget.scope: total``, the whole footprint at the
-largest prefill chunk that fits, ``tiercache.planner.run``); if none fits, the Plan is the rung with the smallest
+largest prefill chunk that fits, ``tiercache.planner.run``) and, on a CUDA run, the card
+(``budget.gpu_memory`` or ``plan(..., gpu_memory=)``: the whole footprint's device total); if none fits, the Plan is the rung with the smallest
 device bytes (then smallest total), with ``fits`` False.
 """
 
@@ -106,6 +107,9 @@ def walk(auto: Policy, spec, batch: int, context: int, encoder_length: int | Non
             chosen, verdict = p, "CHOSEN: least lossy that fits"
         else:
             over = [f"{t} {human(u)} > {human(lim)}" for t, (u, lim, ok) in p.verdicts().items() if not ok]
+            card = p.card_verdict()
+            if card is not None and not card.fits:
+                over.append(card.note or f"whole run {human(card.used)} > card {human(card.card)}")
             verdict = "rejected: " + ", ".join(over + p.problems)
         rungs.append(Rung(name, cand, p, verdict))
     planned = [r for r in rungs if r.plan is not None]

@@ -1,14 +1,20 @@
 """How a planned run executes: weights format, compute device, prefill chunk, runtime baseline.
 
 Interface
-    RunSpec.of(model, weights, device, prefill_chunk, runtime) -> RunSpec
+    RunSpec.of(model, weights, device, prefill_chunk, runtime, gpu_memory=None) -> RunSpec
         ``model`` as ``tiercache.plan`` takes it (a preset or tiny name, a path, a config, a
-        ModelSpec, or a loaded ``torch.nn.Module``); raises ``PolicyError`` on a bad option.
-    run.attach(plan)      sets ``plan.whole`` and ``plan.prefill_chunk``
+        ModelSpec, or a loaded ``torch.nn.Module``); ``gpu_memory``: the card's bytes (a CUDA
+        run only); raises ``PolicyError`` on a bad option.
+    run.attach(plan)      sets ``plan.whole``, ``plan.prefill_chunk`` and ``plan.gpu_memory``
+    default_device(card) -> (device, why)
+        the compute device ``tiercache plan`` plans for when no ``--device`` is given: ``cuda`` when a
+        card is stated (a GPU's memory) or torch sees a CUDA device here, else ``cpu``; ``why`` is
+        the sentence the CLI prints, so the choice is never silent
 
 Choosing the chunk: an explicit ``prefill_chunk`` is used as given. Otherwise, with a
-``budget.scope: total`` budget, the largest of ``activations.CHUNKS`` (capped at the context)
-whose whole footprint fits; the smallest when none does. Without one, 2048 tokens (capped at the
+``budget.scope: total`` budget or a card (``gpu_memory``, or the policy's ``budget.gpu_memory``
+on a CUDA run), the largest of ``activations.CHUNKS`` (capped at the context) whose whole
+footprint fits; the smallest when none does. Without either, 2048 tokens (capped at the
 context): chunks that large keep the matrix products efficient, and smaller ones only pay off
 when memory is short.
 """
@@ -32,9 +38,19 @@ class RunSpec:
     runtime: int | None
     exact_weights: int | None = None
     kernel: str = "flash"
+    card: int | None = None  # the GPU's memory in bytes, when the caller states one
 
     @classmethod
-    def of(cls, model, weights=None, device="cuda", chunk=None, runtime=None) -> "RunSpec":
+    def of(cls, model, weights=None, device="cuda", chunk=None, runtime=None, gpu_memory=None) -> "RunSpec":
+        if gpu_memory is not None:
+            from tiercache.policy.schema import MIN_CARD
+
+            if not isinstance(gpu_memory, int) or isinstance(gpu_memory, bool) or gpu_memory < MIN_CARD:
+                raise PolicyError(f"plan: gpu_memory is the card's memory in bytes (>= {MIN_CARD}; 24GB is "
+                                  f"{24 * 10**9}), got {gpu_memory!r}")
+            if str(device).split(":")[0] != "cuda":
+                raise PolicyError(f"plan: gpu_memory is a GPU's memory; the plan is for device {device!r}: "
+                                  "plan a cuda run (device='cuda', --device cuda) or leave the card out")
         if weights is not None and weights not in FORMATS:
             raise PolicyError(f"plan: weights must be one of {', '.join(FORMATS)}, got {weights!r}")
         if str(device).split(":")[0] not in ("cpu", "cuda"):
@@ -50,7 +66,8 @@ class RunSpec:
                 exact = None  # the user asks what another format would take: count from the shapes
         arch = _arch(config if config is not None else model)
         impl = getattr(config if config is not None else model, "_attn_implementation", None)
-        return cls(arch, weights, str(device).split(":")[0], chunk, runtime, exact, kernel_for(device, impl))
+        return cls(arch, weights, str(device).split(":")[0], chunk, runtime, exact, kernel_for(device, impl),
+                   None if gpu_memory is None else int(gpu_memory))
 
     def attach(self, plan) -> None:
         from tiercache.planner.whole import whole
@@ -58,9 +75,10 @@ class RunSpec:
         make = lambda c: whole(plan, self.arch, self.weights, c, self.device, self.runtime,  # noqa: E731
                                self.exact_weights, self.kernel)
         context = plan.context_length
+        plan.gpu_memory = self.card
         if self.chunk is not None:
             chosen = min(self.chunk, context)
-        elif plan.scope == "total" and plan.budget is not None:
+        elif (plan.scope == "total" and plan.budget is not None) or (plan.card is not None and self.device == "cuda"):
             sizes = sorted({min(c, context) for c in CHUNKS}, reverse=True)
             chosen = sizes[-1]
             for c in sizes:
@@ -71,6 +89,17 @@ class RunSpec:
         else:
             chosen = min(DEFAULT_CHUNK, context)
         plan.whole, plan.prefill_chunk = make(chosen), chosen
+
+
+def default_device(card: bool) -> tuple[str, str]:
+    """The device a plan without ``--device`` is for, and why (``card``: a GPU's memory is stated)."""
+    if card:
+        return "cuda", "a card is stated (--gpu-memory or budget.gpu_memory), so a GPU run"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", "torch sees a CUDA device here; --device cpu plans a CPU run"
+    return "cpu", "torch sees no CUDA device here; --device cuda plans the run on a GPU"
 
 
 def _arch(model) -> Arch | None:

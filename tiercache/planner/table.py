@@ -4,7 +4,8 @@ Interface: ``render(plan) -> str`` (``Plan.table()`` calls it). Consecutive laye
 form, place and bytes share one row (``0-31``), so an 80-layer model stays readable; an
 encoder-decoder plan lists its cross-attention layers after the self-attention ones; a hybrid
 model's conv / recurrent states have their own line (device, exact, context-independent), or a
-note saying why they are not predicted. For an auto
+note saying why they are not predicted. A stated card (``Plan.card``) gets its own line after
+the budget's: the whole footprint's device total against it. For an auto
 policy the candidate ladder comes first: every rung with its bytes and why it was chosen or not.
 """
 
@@ -69,8 +70,18 @@ def render(plan) -> str:
             extra = f" (workspace {human(p.workspace)} included)" if tier == "device" and p.workspace else ""
             extra += " (the cache alone: budget.scope is cache)" if p.whole is not None else ""
         lines.append(f"budget {tier}: {human(used)}{extra} of {human(limit)}: {'fits' if ok else 'DOES NOT FIT'}")
+    card = p.card_verdict()
+    if card is not None:
+        from tiercache.planner.units import card_text
+
+        lines.append(f"card: whole footprint device {human(card.used)} on a card of {card_text(card.card)}: "
+                     + ("fits" if card.fits else "DOES NOT FIT") + (f" ({card.note})" if card.note else
+                     f" ({human(card.card - card.used)} to spare)" if card.fits else ""))
+    elif p.card is not None:
+        lines.append(f"card: not checked (a {p.whole.device if p.whole is not None else 'cache-only'} plan; "
+                     "a GPU's memory applies to a cuda run)")
     lines += [f"problem: {msg}" for msg in p.problems]
-    if not verdicts and not p.problems:
+    if not verdicts and not p.problems and card is None:
         lines.append("no budget given: nothing to check")
     lines.append(f"verdict: {'fits' if p.fits else 'does not fit'}")
     return "\n".join(lines)

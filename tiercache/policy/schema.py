@@ -15,6 +15,9 @@ Choices where DESIGN.md is silent
 - ``key_gain`` (default 1.0: off) multiplies the keys attention reads of the packed tokens (not
   the sinks, not the residual): a quantized context loses attention against the exact tokens,
   which a gain above 1 gives back (README, "A gain on the quantized keys"). A number in (0, 4].
+- ``budget.gpu_memory`` is the card a policy is written for (``24GB``: 24e9 bytes, as cards are
+  sold; ``22GiB``: 22 * 2^30): the planner's verdict then also needs the whole run's device footprint
+  (``tiercache.planner.whole``) to fit it; a value under 1 MiB is refused as a size without its unit.
 - ``cross_attention`` (encoder-decoder models, ``tiercache.cache.cross_attention``): its own ``quantize``
   / ``offload``, not merged with the top-level ones; omitted means full precision on the device.
 """
@@ -30,6 +33,7 @@ from tiercache.errors import PolicyError
 from tiercache.policy.fields import UNSET, Size, build_fields, read_yaml, to_plain
 
 
+MIN_CARD = 2**20  # Budget.gpu_memory below this is a size given without its unit (``24`` bytes)
 MAX_KEY_GAIN = 4.0  # QuantizePolicy.key_gain: beyond a few tenths above 1 attention is only sharpened
 
 
@@ -91,6 +95,9 @@ class Budget:
     host: Size | None = None
     disk: Size | None = None
     scope: Literal["cache", "total"] = "cache"  # what a tier's size bounds: the cache, or the whole run (tiercache.planner.whole)
+    # the card the policy is written for: the whole run's device footprint (weights, cache, activations,
+    # runtime, margin) must fit it, whatever ``scope`` says; ``24GB`` is 24e9 bytes, ``22GiB`` 22 * 2**30
+    gpu_memory: Size | None = None
 
 
 @dataclass(frozen=True)
@@ -154,8 +161,13 @@ class Policy:
             raise PolicyError(f"{where}.max_length: must be >= 1 (tokens) or null, got {self.max_length}")
         if self.storage == "static" and self.max_length is None:
             raise PolicyError(f"{where}.max_length: storage 'static' needs max_length (tokens to preallocate), got null")
-        if self.auto and (self.budget is None or self.budget.device is None):
-            raise PolicyError(f"{where}.budget.device: auto: true needs a device budget to fit, got none")
+        if self.auto and (self.budget is None or (self.budget.device is None and self.budget.gpu_memory is None)):
+            raise PolicyError(f"{where}.budget.device: auto: true needs a device budget (budget.device) or a card "
+                              "(budget.gpu_memory) to fit, got none")
+        card = self.budget.gpu_memory if self.budget is not None else None
+        if card is not None and card < MIN_CARD:
+            raise PolicyError(f"{where}.budget.gpu_memory: {int(card)} bytes is no GPU's memory; give the card with "
+                              "its unit: 24GB (10^9 bytes, as cards are sold) or 22GiB (2^30 bytes)")
         for i, q in _sections(self, "quantize", where):
             check_quantize(q, i)
         for i, o in _sections(self, "offload", where):

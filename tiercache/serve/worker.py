@@ -42,6 +42,7 @@ as a whole fails the requests of that step (no cache it touched can be trusted).
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -97,6 +98,8 @@ class Worker:
         self.device = next(model.parameters()).device
         self.context = context_length(model, policy)
         self.max_active, self.timeout, self.metrics = max_active, timeout, metrics
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
         for name, n in (("prefill_chunk", prefill_chunk), ("step_tokens", step_tokens), ("max_active", max_active)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {n!r}")
