@@ -12,12 +12,14 @@ returns (what transformers' sdpa attention does). Printed per path:
   calls others counts each);
 - ``top-level``: ``aten::`` events not inside another ``aten::`` event: the ops Python issued,
   the closest CPU-side stand-in for kernel launches on a GPU;
-- the ten most frequent top-level ops.
+- the ten most frequent top-level ops;
+- Triton: its kernel launches (each recorded as one ``triton::launch`` range; the ops the
+  interpreter runs inside a launch are the kernel's body on the host, not counted).
 
 Paths: ``cpu`` the C++ kernel (``packed_cpu``, built on first use), ``torch`` the pure-torch
 reference (``TIERCACHE_PACKED_KERNEL=torch`` semantics: ``handles`` declined), ``triton`` the
-Triton kernel on CPU tensors under ``TRITON_INTERPRET=1`` (a fresh process sets it; only its
-torch-side ops count: the interpreter runs the kernel body in numpy, not as aten ops). ``all``
+Triton kernel on CPU tensors under ``TRITON_INTERPRET=1`` (a fresh process sets it; at
+``--triton-context`` tokens, the interpreter being slow: the count does not depend on it). ``all``
 runs each available one.
 """
 
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 B, HKV, HQ, D, G, R = 1, 8, 32, 128, 64, 128
+LAUNCH = "triton::launch"
 
 
 def _layer(bits: int):
@@ -91,20 +94,21 @@ def count(context: int, bits: int, dtype, path: str, verbose: bool = False) -> d
         out = _step(layer, *step)
     packed_kv.attend = real
     assert ran.get("packed") and torch.isfinite(out).all()
-    events = [e for e in prof.events() if e.name.startswith("aten::")]
-    ids = {e.id for e in events}
-    top = []
-    for e in events:
-        parent, nested = e.cpu_parent, False
+    def inside(e, names) -> bool:
+        parent = e.cpu_parent
         while parent is not None:
-            if parent.id in ids:
-                nested = True
-                break
+            if parent.name in names:
+                return True
             parent = parent.cpu_parent
-        if not nested:
-            top.append(e.name)
+        return False
+
+    launches = [e for e in prof.events() if e.name == LAUNCH]
+    # the interpreter runs a Triton kernel's body on the host: its own tensor ops are not the step's
+    events = [e for e in prof.events() if e.name.startswith("aten::") and not inside(e, {LAUNCH})]
+    aten = {e.name for e in events}
+    top = [e.name for e in events if not inside(e, aten)]
     return {"path": path, "context": context, "bits": bits, "dtype": str(dtype).replace("torch.", ""),
-            "aten_ops": len(events), "top_level": len(top),
+            "aten_ops": len(events), "top_level": len(top), "triton_launches": len(launches),
             "most": collections.Counter(top).most_common(10 if not verbose else None)}
 
 
@@ -123,11 +127,29 @@ def _triton(args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+class _Counted:
+    """A Triton kernel whose launches the profiler records as one ``LAUNCH`` range each."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        from torch.profiler import record_function
+
+        def launch(*args, **kwargs):
+            with record_function(LAUNCH):
+                return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
 def _triton_child(args) -> dict:
     from tiercache.quantize import packed_attention, packed_triton
 
     assert packed_triton._interpreting()
     packed_attention._fast = lambda device=None: packed_triton  # CPU tensors take the Triton kernel
+    for name in [n for n in vars(packed_triton) if n.endswith("_kernel")]:  # the launched ones (not helpers)
+        setattr(packed_triton, name, _Counted(getattr(packed_triton, name)))
     out = count(args.context, args.bits, getattr(torch, args.dtype), "triton", args.verbose)
     out["path"] = "triton"
     return out
@@ -166,8 +188,9 @@ def main(argv=None) -> None:
         elif "skipped" in row:
             print(f"{row['path']:>7}: skipped ({row['skipped']})")
         else:
+            launches = f", {row['triton_launches']} Triton launches" if row["path"] == "triton" else ""
             print(f"{row['path']:>7}: int{row['bits']} {row['dtype']} at {row['context']} tokens: "
-                  f"{row['aten_ops']} aten ops, {row['top_level']} top-level per decode step of one layer")
+                  f"{row['aten_ops']} aten ops, {row['top_level']} top-level{launches} per decode step of one layer")
             print(f"         most frequent: {', '.join(f'{n} x{c}' for n, c in row['most'])}")
 
 

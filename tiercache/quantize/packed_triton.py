@@ -3,14 +3,16 @@
     available() -> bool                     triton imports and ``TIERCACHE_PACKED_KERNEL`` is not ``torch``
                                             (the kernel is compiled on its first launch)
     handles(codec, rows, which) -> bool     this kernel has the layout and the device
-    attend(q, keys, values, exact, at_blocks, skip, mask, splits=None) -> [B, H, M, Dv]
-        ``packed_cpu.attend``'s interface: ``q`` ``[B, H, M, D]`` float32 (softmax scale applied,
-        query heads grouped onto the K/V heads), ``keys`` / ``values`` ``(codes, scale, offset,
-        codec)`` as ``packed_attention._parts`` gives them, ``exact`` the exact segments ``[(k,
-        v)]`` float32 in token order with the packed blocks before ``exact[at_blocks]``, ``skip``
-        the hidden leading tokens of the first block, ``mask`` None or float32 ``[B, H, M, S]``
-        over every token. ``splits``: how many parts the packed tokens are cut into (default:
-        enough programs to fill the GPU, each part a whole number of blocks).
+    attend(query, scale, keys, values, exact, at_blocks, skip, mask, splits=None) -> [B, Hq, L, Dv]
+        ``packed_cpu.attend``'s interface: ``query`` ``[B, Hq, L, D]`` in its own dtype and strides
+        (scaled by ``scale`` in the kernel, query heads grouped onto the K/V heads as ``repeat_kv``
+        does), ``keys`` / ``values`` ``(codes, scale, offset, codec)`` as
+        ``packed_attention.raw_parts`` gives them (views of the rows, the model's dtype), ``exact``
+        the exact segments ``[(k, v)]`` (at most three: sinks, residual, new tokens) in the model's
+        dtype in token order with the packed blocks before ``exact[at_blocks]``, ``skip`` the hidden
+        leading tokens of the first block, ``mask`` None or float32 ``[B, H, M, S]`` over every
+        token. ``splits``: how many parts the packed tokens are cut into (default: enough programs
+        to fill the GPU, each part a whole number of blocks). The output is in the query's dtype.
 
 How. One program per (batch x head, split): it walks its split's packed blocks, unpacks each
 block's codes in registers (planar ``blocks.pack`` bytes, centred ``code - mid`` as the torch
@@ -18,11 +20,14 @@ reference does) and keeps a running max, sum and weighted value sum of its token
 softmax). Keys per channel fold the scale into the query and the offset into one ``q . o`` term
 per block: ``(q * s) . code + q . o``; values per channel likewise ``(p . code) * s + sum(p) * o``.
 Per token (a scale per token and group of channels) the block's codes are scaled in registers,
-``code * s + o``, before the dot. Nothing but the three partials per split is written; torch then
-merges them with the exact parts (sinks, residual, new tokens) under one softmax, like
-flash-decoding's reduce. The per-block scales and offsets are made float32 and contiguous in
-torch first (a few bytes per block: ``meta_bits: 8`` is rebuilt there, small), and the mask, if
-any, is read per token. Split boundaries are token positions: a split may end inside a block.
+``code * s + o``, before the dot. Nothing but the three partials per split is written (one
+``[B, H, S, M, Dv + 2]`` buffer); a second kernel (``_merge_kernel``, one program per batch x
+K/V head) folds them and the exact parts (sinks, residual, new tokens) under one online softmax,
+like flash-decoding's reduce, and writes the output. The scales and offsets are read in the
+model's dtype where they lie in the rows (their strides passed; centred in registers; ``meta_bits:
+8`` is rebuilt in torch first, small), the query in its own dtype and strides, and the mask, if
+any, per token: a decode step is two allocations and two launches, with no torch op between.
+Split boundaries are token positions: a split may end inside a block.
 
 Selection: ``packed_attention._fast(device)`` picks this module for CUDA tensors when
 ``available()``; ``handles`` then says per layout, the torch reference taking the rest.
