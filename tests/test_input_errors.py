@@ -117,7 +117,10 @@ def test_static_too_large_for_memory_is_a_cache_error():
 
 @pytest.mark.parametrize("name", ["int4", "offload"])
 def test_reset_frees_the_shared_buffers(name):
-    cache = TieredCache.from_policy(POLICIES[name], CONFIG)
+    policy = POLICIES[name]
+    if "quantize" in policy:  # the dequantization workspace: held by a layer that dequantizes every step
+        policy = {**policy, "quantize": {**policy["quantize"], "packed_attention": False}}
+    cache = TieredCache.from_policy(policy, CONFIG)
     for t in (9, 1):
         for i in range(2):
             cache.update(*kv(t), i)

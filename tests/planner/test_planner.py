@@ -104,7 +104,7 @@ def test_offload_moves_history_to_host_and_keeps_mirrors_on_device():
 
 
 def test_budget_verdicts_and_workspace():
-    q = {"name": "q", "quantize": {"bits": 4}, "budget": {"device": "4.6GiB"}}
+    q = {"name": "q", "quantize": {"bits": 4, "packed_attention": False}, "budget": {"device": "4.6GiB"}}
     p = plan(q, LLAMA8B, 1, 131072)
     assert p.workspace == 131072 * 8 * 128 * 2 * 2  # one layer's K and V at 128k (bf16), shared, held
     assert p.bytes["device"] - p.workspace < 4.6 * 2**30 < p.bytes["device"]  # the workspace tips it
@@ -112,6 +112,8 @@ def test_budget_verdicts_and_workspace():
     assert not p.fits and "DOES NOT FIT" in p.table()
     p = plan({**q, "budget": {"device": "6GiB", "host": "1GiB"}}, LLAMA8B, 1, 131072)
     assert p.fits and set(p.verdicts()) == {"device", "host"}
+    packed = plan({**q, "quantize": {"bits": 4}}, LLAMA8B, 1, 131072)  # packed attention: decode reads the codes
+    assert packed.workspace == 0 and packed.bytes["device"] == p.bytes["device"] - p.workspace and packed.fits
 
 
 def test_static_max_length_shorter_than_context_does_not_fit():

@@ -2,11 +2,14 @@
 with landed / in-flight events stood in by objects with ``query()`` (the CUDA path itself is in
 test_sync_cuda.py)."""
 
+import types
+
 import pytest
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.quantize.finite import FiniteGuard
+from tiercache.offload import runtime
+from tiercache.quantize.finite import SLOTS, FiniteGuard
 
 
 class Landed:
@@ -47,3 +50,44 @@ def test_deferred_flag_surfaces_once_landed_then_poisons_until_cropped_back():
     g.flags = [(20, 1, torch.tensor(True), Landed())]
     g.reset()
     g.surface()
+
+
+class Deferred:
+    """A runtime with streams (as CUDA's): the guard defers its flags; events land at once;
+    counts the pinned allocations the guard asks for."""
+
+    def __init__(self):
+        self.pinned = 0
+
+    def device_of(self, t):
+        return t.device
+
+    def pinned_empty(self, shape, dtype):
+        self.pinned += 1
+        return torch.empty(shape, dtype=dtype)
+
+    def event(self):
+        return types.SimpleNamespace(record=lambda stream: None, query=lambda: True, synchronize=lambda: None)
+
+    def current_stream(self, home):
+        return None
+
+
+def test_deferred_checks_reuse_their_pinned_slots_and_still_catch_a_nan():
+    """The deferred check copies ``max |x|`` into a slot of the guard's own (no pinned allocation,
+    no ``isfinite`` per update) and a landed non-finite value still surfaces with its positions."""
+    rt, g = Deferred(), FiniteGuard()
+    ok = torch.randn(1, 2, 1, 4, dtype=torch.bfloat16)
+    with runtime.installed(rt):
+        for step in range(3 * SLOTS):
+            g.check(ok, ok, step, lambda: "never")
+        assert rt.pinned == 1 and g.pending() == 1  # one allocation of SLOTS slots; read flags free theirs
+        bad = ok.clone()
+        bad[0, 1, 0, 2] = float("nan")
+        g.check(bad, ok, 500, lambda: "never")  # stored, flagged on the device
+        with pytest.raises(CacheError, match="positions 500..500"):
+            g.surface()
+        g.crop_to(500)
+        g.check(ok, ok, 500, lambda: "never")
+        g.surface()
+    assert rt.pinned == 1

@@ -155,3 +155,28 @@ def test_the_kernel_takes_the_common_layouts(packed_kernel):
     kc, vc = k.pair.packed.codecs
     assert packed_cpu.handles(kc, k.pair.packed.blocks[0], "keys")
     assert packed_cpu.handles(vc, k.pair.packed.blocks[1], "values")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_decode_step_issues_few_ops(dtype, packed_kernel):
+    """One int4 layer's decode step (update + SDPA over the ``PackedKV``) through the C++ kernel, as
+    the torch profiler on the CPU counts it: the finite check (2 max-abs, their maximum, one read),
+    the residual's append (2 cat), the kernel's one allocation; no float32 copies of the scales,
+    offsets, exact tokens or query, no ops merging partials. (``bench/count_packed_ops.py`` prints
+    the same count at an 8B shape.)"""
+    from torch.profiler import ProfilerActivity, profile
+
+    lay = layer(dict(bits=4), {})
+    lay.append(*(t.to(dtype) for t in tokens(300, 0)))
+    query = torch.randn(B, 2 * H, 1, D).to(dtype)
+    F.scaled_dot_product_attention(query, *lay.append(*(t.to(dtype) for t in tokens(1, 1))), enable_gqa=True)
+    new = [t.to(dtype) for t in tokens(1, 2)]  # a step like the one before: the rows' views are remembered
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        k, v = lay.append(*new)
+        out = F.scaled_dot_product_attention(query, k, v, enable_gqa=True)
+    ops = [e.name for e in prof.events() if e.name.startswith("aten::")]
+    assert len(ops) <= 16, ops  # 93 (bf16) and 75 (fp32) before: casts, reshapes, the kernel's temporaries
+    assert not any(name in ("aten::to", "aten::_to_copy", "aten::reshape", "aten::contiguous") for name in ops), ops
+    # (bf16: the reference's dequantized K/V are rounded to bf16, the kernel's products are not)
+    torch.testing.assert_close(out.float(), reference(query.float(), k.plain().float(), v.plain().float()),
+                               rtol=0, atol=3e-2 if dtype == torch.bfloat16 else TOL)

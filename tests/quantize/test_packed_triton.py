@@ -90,22 +90,28 @@ def test_imports_without_triton():
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the `triton` extra)")
 @pytest.mark.parametrize("arch", [80, 90])
 def test_compiles_for_a_gpu_within_its_shared_memory(arch):
-    """What the interpreter cannot check: the kernel compiles for sm_80 / sm_90 (ptxas included,
-    no GPU needed), every branch (keys and values each per channel or per token, 2/4/8 bits, a
-    mask or none) at an 8B model's shape, with the launch options ``attend`` uses, and its shared
-    memory fits the smallest of those GPUs' per-block limits (99 KB: sm_86) with room to spare."""
+    """What the interpreter cannot check: the kernels (the split kernel, the merge) compile for
+    sm_80 / sm_90 (ptxas included, no GPU needed), every branch (keys and values each per channel
+    or per token, 2/4/8 bits, a mask or none) at an 8B model's shape with a bf16 model's pointers,
+    with the launch options ``attend`` uses, and their shared memory fits the smallest of those
+    GPUs' per-block limits (99 KB: sm_86) with room to spare."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     kernel = packed_triton._split_kernel
     if not hasattr(kernel, "arg_names"):
         pytest.skip("TRITON_INTERPRET is set in this process: nothing to compile")
-    pointers = {"kc_ptr": "*u8", "vc_ptr": "*u8"}
-    for kch, vch, kbits, vbits, mask in ((True, False, 4, 4, True), (False, True, 2, 8, False)):
-        const = dict(G=64, DK=128, DV=128, K_BITS=kbits, V_BITS=vbits, K_NG=1 if kch else 2, V_NG=1 if vch else 2,
-                     K_CHANNEL=kch, V_CHANNEL=vch, HAS_MASK=mask, BLOCK_M=16, BLOCK_T=64, BLOCK_DK=128,
-                     BLOCK_DV=128)
-        sig = {n: "constexpr" if n in const else pointers.get(n, "*fp32" if n.endswith(("_ptr", "_out")) else "i32")
+    # codes are bytes; the query, scales, offsets and exact K/V bf16 (read in the model's dtype); partials fp32
+    pointers = {"kc_ptr": "*u8", "vc_ptr": "*u8", "part_out": "*fp32", "part_ptr": "*fp32", "mask_ptr": "*fp32",
+                "sm_scale": "fp32"}
+    cases = [(kernel, dict(G=64, DK=128, DV=128, K_BITS=kbits, V_BITS=vbits, K_NG=1 if kch else 2,
+                           V_NG=1 if vch else 2, K_CHANNEL=kch, V_CHANNEL=vch, HAS_MASK=mask, BLOCK_M=16, BLOCK_T=64,
+                           BLOCK_DK=128, BLOCK_DV=128))
+             for kch, vch, kbits, vbits, mask in ((True, False, 4, 4, True), (False, True, 2, 8, False))]
+    cases += [(packed_triton._merge_kernel, dict(DK=128, DV=128, HAS_MASK=mask, BLOCK_M=16, BLOCK_E=64, BLOCK_DK=128,
+                                                 BLOCK_DV=128)) for mask in (True, False)]
+    for kernel, const in cases:
+        sig = {n: "constexpr" if n in const else pointers.get(n, "*bf16" if n.endswith("_ptr") else "i32")
                for n in kernel.arg_names}
         try:
             src = triton.compiler.ASTSource(fn=kernel, signature=sig,

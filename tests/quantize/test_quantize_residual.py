@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tiercache
 from tiercache.cache.chain import Shared
 from tiercache.errors import CacheError
 from tiercache.policy.schema import QuantizePolicy
+from tiercache.quantize.packed_kv import PackedKV
 from tests.quantize.quantized import quantized
 
 B, H, D = 2, 2, 8
@@ -129,10 +131,12 @@ def test_sliding_prefill_longer_than_window_does_not_grow_the_workspace():
     assert k.shape[2] == 50 and shared.workspace_nbytes() == {}
     k, _ = q.update(*kv(1, 1))
     assert k.shape[2] == 6 and shared.workspace_nbytes() == {"cpu": 2 * B * H * 256 * D * 4}
-    packed = layer(4, 4, Shared(), window=6)  # packed attention: the same workspace is held (the fallback's)
+    packed = layer(4, 4, Shared(), window=6)  # packed attention: no workspace until a step falls back
     packed.update(*kv(50, 0))
     k, _ = packed.update(*kv(1, 1))
-    assert k.shape[2] == 6 and packed.shared.workspace_nbytes() == {"cpu": 2 * B * H * 256 * D * 4}
+    assert k.shape[2] == 6 and packed.shared.workspace_nbytes() == {}
+    k.plain()  # what eager attention does: dequantize, into the workspace (reserved now)
+    assert packed.shared.workspace_nbytes() == {"cpu": 2 * B * H * 256 * D * 4}
 
 
 def test_cache_returns_workspace_views_and_reports_them_once():
@@ -141,7 +145,7 @@ def test_cache_returns_workspace_views_and_reports_them_once():
     config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=H, head_dim=D, num_hidden_layers=3,
                          vocab_size=64)
     cache = tiercache.TieredCache.from_policy(
-        {"name": "q", "quantize": {"bits": 4, "group_size": 4, "residual_length": 4}}, config)
+        {"name": "q", "quantize": {"bits": 4, "group_size": 4, "residual_length": 4, "packed_attention": False}}, config)
     for i in range(3):
         cache.update(*kv(30, i), i)
     total = cache.nbytes()["cpu"]
@@ -216,3 +220,41 @@ def test_large_finite_values_are_accepted():
     h = kv(9, 0)[0].half()
     h[0, 0, 0, 0] = 65504.0
     layer(4, 4).update(h, h)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_attention_holds_no_workspace_until_a_step_falls_back(kind):
+    """A packed-attention layer's decode steps read the codes and its prefill returns fresh tensors:
+    nothing of the context's size is held beside the cache (the plan counts none), and the results
+    are those of the workspace path; only a step whose attention reads the K/V reserves it."""
+    shared, plain = Shared(), Shared()
+    packed, ref = layer(4, 4, shared, **kind), layer(4, 4, plain, packed_attention=False, **kind)
+    for i, t in enumerate([40, 1, 1, 3, 1, 20, 1, 1]):
+        (k, v), (wk, wv) = packed.update(*kv(t, i)), ref.update(*kv(t, i))
+        if isinstance(k, PackedKV):  # what the model's SDPA computes from them
+            query = torch.randn(B, H, t, D, generator=torch.Generator().manual_seed(i))
+            torch.testing.assert_close(F.scaled_dot_product_attention(query, k, v),
+                                       F.scaled_dot_product_attention(query, wk, wv), rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(k, wk) and torch.equal(v, wv)
+        assert shared.workspace_nbytes() == {}, f"update {i} of {t} tokens reserved the workspace"
+    assert plain.workspace_nbytes()  # the dequantizing layer holds one
+    k, _ = packed.update(*kv(1, 99))
+    assert isinstance(k, PackedKV) and shared.workspace_nbytes() == {}
+    k.plain()
+    assert shared.workspace_nbytes()
+
+
+def test_cache_bytes_of_a_packed_int4_cache_are_the_packed_rows_and_the_residual():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=H, head_dim=D, num_hidden_layers=2,
+                         vocab_size=64)
+    cache = tiercache.TieredCache.from_policy(
+        {"name": "q", "quantize": {"bits": 4, "group_size": 4, "residual_length": 4}}, config)
+    for t in (300, 1, 1, 1):
+        for i in range(2):
+            cache.update(*kv(t, i), i)
+    assert cache.nbytes()["cpu"] == sum(sum(layer.nbytes().values()) for layer in cache.layers)
+    assert cache._shared.workspace_nbytes() == {}
+    cache.close()

@@ -446,7 +446,9 @@ def test_admission_does_not_count_the_entry_it_takes_out(tiny):
 
 
 @pytest.mark.parametrize("policy", [
-    {"name": "int4", "quantize": {"backend": "native", "bits": 4, "group_size": 32, "residual_length": 32}},
+    # packed_attention: false dequantizes into the shared workspace (a packed-attention layer holds none)
+    {"name": "int4", "quantize": {"backend": "native", "bits": 4, "group_size": 32, "residual_length": 32,
+                                  "packed_attention": False}},
     {"name": "offload", "offload": {"device": "cpu", "prefetch": 1, "pin_memory": False}},
 ], ids=["dequantization-workspace", "prefetch-slots"])
 def test_stored_entries_hold_no_transient_buffers(tiny, policy):

@@ -29,7 +29,8 @@ Plan
                  the shared buffers (offload mirrors, dequantization workspace) included.
     .workspace   the part of ``.bytes["device"]`` that is the quantized layers' shared
                  dequantization workspace: the full-precision K/V one decode step returns for
-                 the largest layer (``tiercache.planner.footprint.workspace_bytes``).
+                 the largest layer that dequantizes every step (``packed_attention: false``;
+                 packed-attention layers hold none: ``tiercache.planner.footprint``).
     .whole       the whole footprint of a run (``tiercache.planner.whole``): weights, cache, growth,
                  activations of one prefill chunk, runtime, margin, line by line per tier;
                  ``.prefill_chunk`` the chunk size it was planned with.

@@ -29,9 +29,13 @@ sliding buffer can be one slack smaller.
   ``[codes | pad | scale | offset]`` with scale and offset in the model dtype: one per channel
   (``channel`` axis) or per run of channels of each token (``token`` axis). A sliding layer's
   store keeps ``ceil((window - 1) / group_size) + 1`` blocks; a static one ``max_length // G``.
-  The quantized layers share one workspace (``chain.Shared.workspace``): the K/V a decode step
-  returns for the layer that returns the most (``tokens``; a sliding layer ``min(tokens,
-  window)``), in whole CHUNKs of tokens. Attention sinks (``sink_tokens = N``, full-attention
+  The quantized layers that dequantize every step (``packed_attention: false``, and the
+  cross-attention half of an encoder-decoder) share one workspace (``chain.Shared.workspace``): the
+  K/V a decode step returns for the layer that returns the most (``tokens``; a sliding layer
+  ``min(tokens, window)``), in whole CHUNKs of tokens. A ``packed_attention`` layer holds none: its
+  decode steps read the codes and its prefill returns fresh tensors (transient, like activations);
+  only a step whose attention is not SDPA (eager attention: the ``PackedKV`` fallback) reserves the
+  workspace, which this plan does not count. Attention sinks (``sink_tokens = N``, full-attention
   layers): the first ``min(tokens, N)`` tokens held exactly beside the residual, which then
   follows ``r(tokens - N)``.
 - KV sharing (``ModelSpec.kv_sharing``): a ``reuse`` layer never updates, so it holds nothing; a
@@ -149,9 +153,11 @@ def layer_footprint(lp: LayerPolicy, model: ModelSpec, batch: int, tokens: int) 
     store = rows * block
     kept_rows = min(blocks, st.window - 1) if sliding else blocks
     held = {"device": _fp_bytes(model, i, batch, residual)}
-    # the K/V a decode step returns, in the shared workspace (a "store" layer returns fresh tensors)
+    # the K/V a decode step returns, in the shared workspace (a "store" layer returns fresh tensors; a
+    # packed-attention layer returns the codes, and fresh tensors for its prefill: none held)
     returned = min(tokens, lp.window) if sliding else tokens
-    shares = returned and not spec.owned_outputs
+    packed = spec.quantize.packed_attention and not spec.cross  # what the chain builder gives the layer
+    shares = returned and not spec.owned_outputs and not packed
     work = _fp_bytes(model, i, batch, capacity_for(returned)) if shares else 0
     if lp.offload is None:
         held["device"] += store

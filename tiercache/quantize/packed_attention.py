@@ -70,6 +70,16 @@ def _parts(rows: torch.Tensor, codec):
     return codes, scale.float(), None if offset is None else offset.float()
 
 
+def raw_parts(rows: torch.Tensor, codec):
+    """(codes, scale, offset) of ``rows`` as the fast kernels read them: views of the rows in the
+    model's dtype (``codec._parts``, remembered across steps: no op when the rows did not move), the
+    ``meta_bits: 8`` grids rebuilt (in the model's dtype). No float32 copy: the kernels convert."""
+    codes, scale, offset = codec._parts(rows)
+    if codec.meta8:
+        scale, offset = metacodes.rebuild(scale)
+    return codes, scale, offset
+
+
 def _centred(rows: torch.Tensor, codec):
     """(codes, scale, offset) with the codes centred, ``code - mid`` (``mid = (2**bits - 1) / 2``)
     as float32 ``[B, H, N, *codec.shape]`` (the reference's one temporary), the offset taking the
@@ -144,8 +154,7 @@ def key_scores(q: torch.Tensor, rows: torch.Tensor, codec, out: torch.Tensor, sk
     """Writes ``out`` ``[B, H, M, N*G - skip]``: the scores of the visible packed keys."""
     fast = _fast()
     if fast.handles(codec, rows, "keys"):
-        codes, scale, offset = _parts(rows, codec)
-        fast.key_scores(q, codes, scale, offset, codec, out, skip)
+        fast.key_scores(q, *raw_parts(rows, codec), codec, out, skip)
     else:
         out.copy_(key_scores_torch(q, rows, codec)[..., skip:])
 
@@ -154,9 +163,13 @@ def value_mix(p: torch.Tensor, rows: torch.Tensor, codec, skip: int = 0) -> torc
     """``p`` ``[B, H, M, N*G - skip]``: the weights of the visible packed tokens -> ``[B, H, M, Dv]``."""
     fast = _fast()
     if fast.handles(codec, rows, "values"):
-        codes, scale, offset = _parts(rows, codec)
-        return fast.value_mix(p, codes, scale, offset, codec, skip)
+        return fast.value_mix(p, *raw_parts(rows, codec), codec, skip)
     return value_mix_torch(torch.nn.functional.pad(p, (skip, 0)), rows, codec)  # hidden tokens weigh 0
+
+
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a unit last stride (what the kernels index by): itself, almost always."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 _SCRATCH = threading.local()
@@ -187,21 +200,20 @@ def attend(query: torch.Tensor, packed: Packed, mask: torch.Tensor | None = None
         raise ValueError(f"packed attention: query heads {hq} are not a multiple of the layer's {hkv} heads")
     rep = hq // hkv
     scale = d**-0.5 if scale is None else scale
-    q = (query.float() * scale).reshape(b, hkv, rep * length, d)  # [B, Hkv, M, D], heads grouped as repeat_kv
     fast = _fast(query.device)
     if packed.blocks is not None and all(fast.handles(c, r, w) for c, r, w in zip(packed.codecs, packed.blocks,
                                                                                      ("keys", "values"))):
-        exact = [(seg[0].float(), seg[1].float()) for seg in segments if seg is not None]
-        at_blocks = segments.index(None)
-        s_len = packed.length
+        # the fast path issues as few ops as it can (each one a launch on a GPU): the kernel reads the
+        # query, the rows' scales and offsets and the exact K/V in their own dtype and strides
+        exact = [(_unit(seg[0]), _unit(seg[1])) for seg in segments if seg is not None]
         if mask is not None:
-            mask = mask.expand(b, hq, length, s_len).reshape(b, hkv, rep * length, s_len)
+            mask = mask.expand(b, hq, length, packed.length).reshape(b, hkv, rep * length, packed.length)
             mask = (torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool
                     else mask.float().contiguous())
-        parts = [(*_parts(r.to(query.device), c), c) for r, c in zip(packed.blocks, packed.codecs)]
-        out = fast.attend(q, parts[0], parts[1], exact, at_blocks, packed.skip, mask)  # [B, Hkv, M, Dv]
-        dv = out.shape[-1]
-        return out.view(b, hkv, rep, length, dv).reshape(b, hq, length, dv).to(query.dtype)
+        parts = [(*raw_parts(r if r.device == query.device else r.to(query.device), c), c)
+                 for r, c in zip(packed.blocks, packed.codecs)]
+        return fast.attend(query, scale, parts[0], parts[1], exact, segments.index(None), packed.skip, mask)
+    q = (query.float() * scale).reshape(b, hkv, rep * length, d)  # [B, Hkv, M, D], heads grouped as repeat_kv
     sizes = [packed.blocks[0].shape[2] * packed.codecs[0].g - packed.skip if seg is None else seg[0].shape[2]
              for seg in segments]
     scores = _scratch((b, hkv, rep * length, sum(sizes)), query.device)  # [B, Hkv, M, S]

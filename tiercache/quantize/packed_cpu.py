@@ -1,19 +1,23 @@
 """The CPU kernels of packed attention: a small C++ extension, built ahead of use.
 
     handles(codec, rows, which) -> bool     this kernel has the layout, and it is built
+    attend(query, scale, keys, values, exact, at_blocks, skip, mask) -> [B, Hq, L, Dv]
+                                            a decode step's whole attention, one call
     key_scores(q, codes, scale, offset, codec, out, skip)    writes ``out`` ``[B, H, M, N*G - skip]``
     value_mix(p, codes, scale, offset, codec, skip) -> [B, H, M, Dv]   ``p`` ``[B, H, M, N*G - skip]``
     available() -> bool                     the extension is built and loaded (once per process)
     kernel() -> kernel_build.Kernel         what ``tiercache build-kernels`` compiles
 
 Layouts: integer codes of 2, 4 or 8 bits (planar, ``blocks.pack``), with an offset; keys per
-channel (scale / offset ``[B, H, N, 1, D]``), values per token (``[B, H, N, G, n, 1]``), any
-metadata dtype (the caller hands float32 scale / offset: views of the rows for float32 models,
-a small conversion otherwise, ``meta_bits: 8`` rebuilt). Everything else goes to the torch
-reference (``packed_attention``). Each packed byte is read once; no float copy of the codes is
-written: the keys kernel forms ``(q * s) . code + q . o`` per block (OpenMP over blocks), the
-values kernel ``sum_t (p_t s_t) code_t`` plus the offset sums (OpenMP over heads and runs of
-blocks, partial sums added in torch).
+channel (scale / offset ``[B, H, N, 1, D]``), values per token (``[B, H, N, G, n, 1]``), a
+float32, bfloat16 or float16 model. Scales and offsets are read where they lie (views of the
+rows, in the model's dtype; ``meta_bits: 8`` rebuilt first), the exact K/V and the query in their
+own dtype, each converted to float32 in registers: a decode step makes no float32 copy of
+anything, and ``attend`` allocates only its output (the fewer ops a step issues, the less it
+costs beyond the arithmetic). Everything else goes to the torch reference (``packed_attention``).
+Each packed byte is read once; no float copy of the codes is written: the keys kernel forms
+``(q * s) . code + q . o`` per block (OpenMP over blocks), the values kernel ``sum_t (p_t s_t)
+code_t`` plus the offset sums (OpenMP over heads and runs of blocks).
 
 Built by ``tiercache build-kernels`` (``make`` runs it; ``tiercache.quantize.kernel_build``) with
 ``torch.utils.cpp_extension.load_inline`` (g++, ``-O3 -march=native -fopenmp``): about a minute,
@@ -30,7 +34,7 @@ import torch
 
 from tiercache.quantize import kernel_build
 
-NAME = "tiercache_packed_v9"
+NAME = "tiercache_packed_v10"
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -38,6 +42,7 @@ SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 static inline float dot(const float* a, const float* b, int64_t n) {
@@ -68,26 +73,49 @@ static inline void unpack_block(const uint8_t* row, float* cf, int64_t G, int64_
   }
 }
 
-template <int BITS>
+template <typename T>
+static inline float ld(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+
+template <typename T>
+static inline const float* as_float(const T* src, float* tmp, int64_t n) {
+  // a row of n values as floats: the row itself for float32, else converted into tmp
+  if constexpr (std::is_same<T, float>::value) {
+    return src;
+  } else {
+    for (int64_t i = 0; i < n; ++i) tmp[i] = static_cast<float>(src[i]);
+    return tmp;
+  }
+}
+
+// Runs f with T the C++ type of dtype t (float32, bfloat16 or float16): scales, offsets, exact K/V and the
+// query are read in the model's dtype and converted in registers, so no float32 copy is made per step.
+template <typename F>
+static void with_type(at::ScalarType t, F&& f) {
+  if (t == at::kFloat) f(float{});
+  else if (t == at::kBFloat16) f(at::BFloat16{});
+  else if (t == at::kHalf) f(at::Half{});
+  else TORCH_CHECK(false, "packed attention: tensors must be float32, bfloat16 or float16, got ", t);
+}
+
+template <int BITS, typename T>
 static void keys_channel(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& offset,
-                         const torch::Tensor& q, torch::Tensor& out, int64_t G, int64_t skip) {
-  // codes [B, H, N, cb]; scale, offset [B, H, N, D] float; q [B, H, M, D] float;
-  // out [B, H, M, N*G - skip] float (any strides but the last): token n*G + t lands at n*G + t - skip
-  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), M = q.size(2), D = q.size(3);
+                         const float* qp, int64_t M, int64_t D, float* outp, const int64_t* rs, int64_t G,
+                         int64_t skip) {
+  // codes [B, H, N, cb]; scale, offset [B, H, N, (1,) D] of T (unit stride inside a block); qp [B, H, M, D] float;
+  // outp [B, H, M, N*G - skip] float with strides rs[0..2] (unit last): token n*G + t lands at n*G + t - skip
+  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* op = offset.data_ptr<float>();
-  const float* qp = q.data_ptr<float>();
-  float* outp = out.data_ptr<float>();
-  const auto cs = codes.strides(), ss = scale.strides(), os = offset.strides(), rs = out.strides();
+  const T* sp = static_cast<const T*>(scale.data_ptr());
+  const T* op = static_cast<const T*>(offset.data_ptr());
+  const auto cs = codes.strides(), ss = scale.strides(), os = offset.strides();
   const int64_t grain = std::max<int64_t>(1, 262144 / (G * D * M));  // a parallel region only for real work
   constexpr float mid = ((1 << BITS) - 1) * 0.5f;
   at::parallel_for(0, B * H * N, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> qs(M * D), cf(G * D);
     for (int64_t idx = lo; idx < hi; ++idx) {
       const int64_t n = idx % N, bh = idx / N, b = bh / H, h = bh % H;
-      const float* s = sp + b * ss[0] + h * ss[1] + n * ss[2];
-      const float* o = op + b * os[0] + h * os[1] + n * os[2];
+      const T* s = sp + b * ss[0] + h * ss[1] + n * ss[2];
+      const T* o = op + b * os[0] + h * os[1] + n * os[2];
       const float* qq = qp + bh * M * D;
       unpack_block<BITS>(cp + b * cs[0] + h * cs[1] + n * cs[2], cf.data(), G, D);
       float* dst = outp + b * rs[0] + h * rs[1] + n * G - skip;
@@ -95,8 +123,9 @@ static void keys_channel(const torch::Tensor& codes, const torch::Tensor& scale,
         float z = 0.f;
         float* w = qs.data() + m * D;
         for (int64_t c = 0; c < D; ++c) {
-          w[c] = qq[m * D + c] * s[c];
-          z += qq[m * D + c] * (o[c] + mid * s[c]);
+          const float sc = ld(s, c);
+          w[c] = qq[m * D + c] * sc;
+          z += qq[m * D + c] * (ld(o, c) + mid * sc);
         }
         for (int64_t t = (n == 0 ? skip : 0); t < G; ++t) {
           dst[m * rs[2] + t] = dot(w, cf.data() + t * D, D) + z;
@@ -106,20 +135,18 @@ static void keys_channel(const torch::Tensor& codes, const torch::Tensor& scale,
   });
 }
 
-template <int BITS>
+template <int BITS, typename T>
 static void values_token(const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& offset,
-                         const torch::Tensor& p, torch::Tensor& out, int64_t G, int64_t ng, int64_t chunks,
-                         int64_t skip) {
-  // codes [B, H, N, cb]; scale, offset [B, H, N, G*ng] float; out [B, H, C, M, Dv];
-  // p [B, H, M, N*G - skip] float (any strides but the last): the weight of token n*G + t is at n*G + t - skip
-  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2), M = p.size(2), Dv = out.size(4);
+                         const float* pp, const int64_t* ps, int64_t M, float* outp, int64_t Dv, int64_t G,
+                         int64_t ng, int64_t chunks, int64_t skip) {
+  // codes [B, H, N, cb]; scale, offset [B, H, N, G, ng(, 1)] of T (unit stride inside a block); outp [B, H, C, M, Dv];
+  // pp [B, H, M, N*G - skip] float with strides ps[0..2] (unit last): the weight of token n*G + t is at n*G + t - skip
+  const int64_t B = codes.size(0), H = codes.size(1), N = codes.size(2);
   const int64_t gs = Dv / ng;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* op = offset.data_ptr<float>();
-  const float* pp = p.data_ptr<float>();
-  float* outp = out.data_ptr<float>();
-  const auto cs = codes.strides(), ss = scale.strides(), os = offset.strides(), ps = p.strides();
+  const T* sp = static_cast<const T*>(scale.data_ptr());
+  const T* op = static_cast<const T*>(offset.data_ptr());
+  const auto cs = codes.strides(), ss = scale.strides(), os = offset.strides();
   const int64_t step = (N + chunks - 1) / chunks;
   constexpr float mid = ((1 << BITS) - 1) * 0.5f;
   const int64_t grain = std::max<int64_t>(1, 262144 / (step * G * Dv * M));
@@ -132,8 +159,8 @@ static void values_token(const torch::Tensor& codes, const torch::Tensor& scale,
       std::fill(osum.begin(), osum.end(), 0.f);
       const float* pr = pp + b * ps[0] + h * ps[1] - skip;
       for (int64_t n = k * step; n < std::min(N, (k + 1) * step); ++n) {
-        const float* s = sp + b * ss[0] + h * ss[1] + n * ss[2];
-        const float* o = op + b * os[0] + h * os[1] + n * os[2];
+        const T* s = sp + b * ss[0] + h * ss[1] + n * ss[2];
+        const T* o = op + b * os[0] + h * os[1] + n * os[2];
         unpack_block<BITS>(cp + b * cs[0] + h * cs[1] + n * cs[2], cf.data(), G, Dv);
         for (int64_t m = 0; m < M; ++m) {
           const float* pm = pr + m * ps[2] + n * G;
@@ -141,8 +168,9 @@ static void values_token(const torch::Tensor& codes, const torch::Tensor& scale,
           for (int64_t t = (n == 0 ? skip : 0); t < G; ++t) {
             const float* x = cf.data() + t * Dv;
             for (int64_t j = 0; j < ng; ++j) {
-              const float ws = pm[t] * s[t * ng + j];
-              osum[m * ng + j] += pm[t] * (o[t * ng + j] + mid * s[t * ng + j]);
+              const float sc = ld(s, t * ng + j);
+              const float ws = pm[t] * sc;
+              osum[m * ng + j] += pm[t] * (ld(o, t * ng + j) + mid * sc);
               float* a = am + j * gs;
               const float* xj = x + j * gs;
 #pragma omp simd
@@ -156,6 +184,23 @@ static void values_token(const torch::Tensor& codes, const torch::Tensor& scale,
           for (int64_t c = 0; c < gs; ++c) acc[m * Dv + j * gs + c] += osum[m * ng + j];
     }
   });
+}
+
+template <typename T>
+static void keys_bits(int64_t bits, const torch::Tensor& codes, const torch::Tensor& scale, const torch::Tensor& offset,
+                      const float* qp, int64_t M, int64_t D, float* outp, const int64_t* rs, int64_t G, int64_t skip) {
+  if (bits == 2) keys_channel<2, T>(codes, scale, offset, qp, M, D, outp, rs, G, skip);
+  else if (bits == 4) keys_channel<4, T>(codes, scale, offset, qp, M, D, outp, rs, G, skip);
+  else keys_channel<8, T>(codes, scale, offset, qp, M, D, outp, rs, G, skip);
+}
+
+template <typename T>
+static void values_bits(int64_t bits, const torch::Tensor& codes, const torch::Tensor& scale,
+                        const torch::Tensor& offset, const float* pp, const int64_t* ps, int64_t M, float* outp,
+                        int64_t Dv, int64_t G, int64_t ng, int64_t chunks, int64_t skip) {
+  if (bits == 2) values_token<2, T>(codes, scale, offset, pp, ps, M, outp, Dv, G, ng, chunks, skip);
+  else if (bits == 4) values_token<4, T>(codes, scale, offset, pp, ps, M, outp, Dv, G, ng, chunks, skip);
+  else values_token<8, T>(codes, scale, offset, pp, ps, M, outp, Dv, G, ng, chunks, skip);
 }
 
 static inline float exp_simd(float x) {
@@ -186,14 +231,24 @@ static std::vector<float>& scratch(size_t n) {
   return buf;
 }
 
-torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch::Tensor ko, torch::Tensor vc,
-                     torch::Tensor vs, torch::Tensor vo, std::vector<torch::Tensor> ek, std::vector<torch::Tensor> ev,
-                     int64_t at_blocks, int64_t skip, int64_t kbits, int64_t vbits, int64_t G, int64_t ng,
-                     int64_t dv, int64_t chunks, c10::optional<torch::Tensor> mask) {
-  // q [B, H, M, D] float (scaled); packed keys / values as key_scores / value_mix take them; exact segments
-  // ek / ev [B, H, n_i, D] float (unit last stride), the blocks between segment at_blocks - 1 and at_blocks;
-  // mask [B, H, M, S] float contiguous (added) or none. Returns [B, H, M, dv]: one softmax over every column.
-  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3), N = kc.size(2);
+static std::vector<float>& scratch2(size_t n) {  // a second one (the query, the values' partial sums)
+  static thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf;
+}
+
+torch::Tensor attend(torch::Tensor query, double scale, torch::Tensor kc, torch::Tensor ks, torch::Tensor ko,
+                     torch::Tensor vc, torch::Tensor vs, torch::Tensor vo, std::vector<torch::Tensor> ek,
+                     std::vector<torch::Tensor> ev, int64_t at_blocks, int64_t skip, int64_t kbits, int64_t vbits,
+                     int64_t G, int64_t ng, int64_t dv, int64_t chunks, c10::optional<torch::Tensor> mask) {
+  // query [B, Hq, L, D] (float32 / bf16 / fp16, any strides), Hq = rep * H (query heads grouped onto the H K/V heads
+  // as repeat_kv does: row m = r * L + l of head h is query head h * rep + r, token l), scaled by `scale` here;
+  // packed keys / values as key_scores / value_mix take them (scales and offsets in their own dtype); exact
+  // segments ek / ev [B, H, n_i, D] in the model dtype (unit last stride), the blocks between segment
+  // at_blocks - 1 and at_blocks; mask [B, H, M, S] float contiguous (added) or none. Returns [B, Hq, L, dv] in the
+  // query's dtype: one softmax over every column, one allocation, no other tensor op.
+  const int64_t B = query.size(0), Hq = query.size(1), L = query.size(2), D = query.size(3);
+  const int64_t H = kc.size(1), N = kc.size(2), rep = Hq / H, M = rep * L;
   const int64_t nb = N * G - skip;
   std::vector<int64_t> start(ek.size());
   int64_t S = 0, bstart = 0;
@@ -201,28 +256,43 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch:
     if ((int64_t)i == at_blocks) { bstart = S; S += nb; }
     if (i < ek.size()) { start[i] = S; S += ek[i].size(2); }
   }
+  std::vector<float>& qbuf = scratch2(B * H * M * (D + chunks * dv));  // q [B, H, M, D], then parts [B, H, C, M, dv]
+  float* qp = qbuf.data();
+  float* pp = qp + B * H * M * D;
+  const auto qs = query.strides();
+  with_type(query.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* src = static_cast<const T*>(query.data_ptr());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t hq = 0; hq < Hq; ++hq)
+        for (int64_t l = 0; l < L; ++l) {
+          float* dst = qp + ((b * H + hq / rep) * M + (hq % rep) * L + l) * D;
+          const T* row = src + b * qs[0] + hq * qs[1] + l * qs[2];
+          for (int64_t c = 0; c < D; ++c) dst[c] = static_cast<float>(row[c * qs[3]]) * (float)scale;
+        }
+  });
   std::vector<float>& buf = scratch(B * H * M * S);
-  auto fopt = torch::TensorOptions().dtype(torch::kFloat32);
-  auto sc = torch::from_blob(buf.data(), {B, H, M, S}, fopt);
-  auto kpart = torch::from_blob(buf.data() + bstart, {B, H, M, nb}, {H * M * S, M * S, S, 1}, fopt);
-  if (kbits == 2) keys_channel<2>(kc, ks, ko, q, kpart, G, skip);
-  else if (kbits == 4) keys_channel<4>(kc, ks, ko, q, kpart, G, skip);
-  else keys_channel<8>(kc, ks, ko, q, kpart, G, skip);
-  const float* qp = q.data_ptr<float>();
-  const float* mp = mask.has_value() ? mask->data_ptr<float>() : nullptr;
   float* bp = buf.data();
+  const int64_t rows_strides[3] = {H * M * S, M * S, S};
+  with_type(ks.scalar_type(), [&](auto tag) {
+    keys_bits<decltype(tag)>(kbits, kc, ks, ko, qp, M, D, bp + bstart, rows_strides, G, skip);
+  });
+  const float* mp = mask.has_value() ? mask->data_ptr<float>() : nullptr;
   const int64_t rows_grain = std::max<int64_t>(1, 262144 / (M * S));  // few columns: no parallel region
   at::parallel_for(0, B * H, rows_grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> tmp(D);
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       for (size_t i = 0; i < ek.size(); ++i) {
-        const float* kp = ek[i].data_ptr<float>() + b * ek[i].stride(0) + h * ek[i].stride(1);
         const int64_t n = ek[i].size(2), st = ek[i].stride(2);
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t m = 0; m < M; ++m) {
-            const float* qq = qp + (bh * M + m) * D;
-            bp[(bh * M + m) * S + start[i] + j] = dot(qq, kp + j * st, D);
+        with_type(ek[i].scalar_type(), [&](auto tag) {
+          using T = decltype(tag);
+          const T* kp = static_cast<const T*>(ek[i].data_ptr()) + b * ek[i].stride(0) + h * ek[i].stride(1);
+          for (int64_t j = 0; j < n; ++j) {
+            const float* kr = as_float(kp + j * st, tmp.data(), D);
+            for (int64_t m = 0; m < M; ++m) bp[(bh * M + m) * S + start[i] + j] = dot(qp + (bh * M + m) * D, kr, D);
           }
+        });
       }
       for (int64_t m = 0; m < M; ++m) {  // the softmax, over every column at once
         float* row = bp + (bh * M + m) * S;
@@ -245,55 +315,64 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch:
       }
     }
   });
-  auto wpart = torch::from_blob(buf.data() + bstart, {B, H, M, nb}, {H * M * S, M * S, S, 1}, fopt);
-  auto part = torch::empty({B, H, chunks, M, dv}, fopt);
-  if (vbits == 2) values_token<2>(vc, vs, vo, wpart, part, G, ng, chunks, skip);
-  else if (vbits == 4) values_token<4>(vc, vs, vo, wpart, part, G, ng, chunks, skip);
-  else values_token<8>(vc, vs, vo, wpart, part, G, ng, chunks, skip);
-  auto out = torch::empty({B, H, M, dv}, fopt);
-  float* op = out.data_ptr<float>();
-  const float* pp = part.data_ptr<float>();
-  at::parallel_for(0, B * H, rows_grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      float* o = op + bh * M * dv;
-      for (int64_t e = 0; e < M * dv; ++e) {
-        float a = 0.f;
-        for (int64_t k = 0; k < chunks; ++k) a += pp[(bh * chunks + k) * M * dv + e];
-        o[e] = a;
-      }
-      for (size_t i = 0; i < ev.size(); ++i) {
-        const float* vp = ev[i].data_ptr<float>() + b * ev[i].stride(0) + h * ev[i].stride(1);
-        const int64_t n = ev[i].size(2), st = ev[i].stride(2);
-        for (int64_t m = 0; m < M; ++m) {
-          const float* w = bp + (bh * M + m) * S + start[i];
-          float* om = o + m * dv;
-          for (int64_t j = 0; j < n; ++j) {
-            const float* vv = vp + j * st;
-            const float wj = w[j];
-#pragma omp simd
-            for (int64_t c = 0; c < dv; ++c) om[c] += wj * vv[c];
-          }
+  with_type(vs.scalar_type(), [&](auto tag) {
+    values_bits<decltype(tag)>(vbits, vc, vs, vo, bp + bstart, rows_strides, M, pp, dv, G, ng, chunks, skip);
+  });
+  auto out = torch::empty({B, Hq, L, dv}, query.options().memory_format(at::MemoryFormat::Contiguous));
+  with_type(query.scalar_type(), [&](auto otag) {
+    using O = decltype(otag);
+    O* op = static_cast<O*>(out.data_ptr());  // [B, Hq, L, dv] contiguous is [B, H, M, dv]
+    at::parallel_for(0, B * H, rows_grain, [&](int64_t lo, int64_t hi) {
+      std::vector<float> o(M * dv), tmp(dv);
+      for (int64_t bh = lo; bh < hi; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+        for (int64_t e = 0; e < M * dv; ++e) {
+          float a = 0.f;
+          for (int64_t k = 0; k < chunks; ++k) a += pp[(bh * chunks + k) * M * dv + e];
+          o[e] = a;
         }
+        for (size_t i = 0; i < ev.size(); ++i) {
+          const int64_t n = ev[i].size(2), st = ev[i].stride(2);
+          with_type(ev[i].scalar_type(), [&](auto tag) {
+            using T = decltype(tag);
+            const T* vp = static_cast<const T*>(ev[i].data_ptr()) + b * ev[i].stride(0) + h * ev[i].stride(1);
+            for (int64_t j = 0; j < n; ++j) {
+              const float* vv = as_float(vp + j * st, tmp.data(), dv);
+              for (int64_t m = 0; m < M; ++m) {
+                const float wj = bp[(bh * M + m) * S + start[i] + j];
+                float* om = o.data() + m * dv;
+#pragma omp simd
+                for (int64_t c = 0; c < dv; ++c) om[c] += wj * vv[c];
+              }
+            }
+          });
+        }
+        O* dst = op + bh * M * dv;
+        for (int64_t e = 0; e < M * dv; ++e) dst[e] = static_cast<O>(o[e]);
       }
-    }
+    });
   });
   return out;
 }
 
 void key_scores(torch::Tensor codes, torch::Tensor scale, torch::Tensor offset, torch::Tensor q, torch::Tensor out,
                 int64_t bits, int64_t G, int64_t skip) {
-  if (bits == 2) keys_channel<2>(codes, scale, offset, q, out, G, skip);
-  else if (bits == 4) keys_channel<4>(codes, scale, offset, q, out, G, skip);
-  else keys_channel<8>(codes, scale, offset, q, out, G, skip);
+  // q [B, H, M, D] float contiguous; out [B, H, M, N*G - skip] float (unit last stride)
+  const int64_t rs[3] = {out.stride(0), out.stride(1), out.stride(2)};
+  with_type(scale.scalar_type(), [&](auto tag) {
+    keys_bits<decltype(tag)>(bits, codes, scale, offset, q.data_ptr<float>(), q.size(2), q.size(3),
+                             out.data_ptr<float>(), rs, G, skip);
+  });
 }
 
 torch::Tensor value_mix(torch::Tensor codes, torch::Tensor scale, torch::Tensor offset, torch::Tensor p,
                         int64_t bits, int64_t G, int64_t ng, int64_t dv, int64_t chunks, int64_t skip) {
   auto out = torch::empty({p.size(0), p.size(1), chunks, p.size(2), dv}, p.options());
-  if (bits == 2) values_token<2>(codes, scale, offset, p, out, G, ng, chunks, skip);
-  else if (bits == 4) values_token<4>(codes, scale, offset, p, out, G, ng, chunks, skip);
-  else values_token<8>(codes, scale, offset, p, out, G, ng, chunks, skip);
+  const int64_t ps[3] = {p.stride(0), p.stride(1), p.stride(2)};
+  with_type(scale.scalar_type(), [&](auto tag) {
+    values_bits<decltype(tag)>(bits, codes, scale, offset, p.data_ptr<float>(), ps, p.size(2),
+                               out.data_ptr<float>(), dv, G, ng, chunks, skip);
+  });
   return out.sum(2);
 }
 """
@@ -321,7 +400,10 @@ def handles(codec, rows: torch.Tensor, which: str) -> bool:
     backend = codec.backend
     axis = "channel" if which == "keys" else "token"
     return (rows.device.type == "cpu" and backend.has_offset and backend.bits in (2, 4, 8)
-            and codec.axis == axis and codec.g % (8 // backend.bits) == 0 and available())
+            and codec.axis == axis and codec.g % (8 // backend.bits) == 0 and codec.dtype in _DTYPES and available())
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernel reads scales, offsets and K/V in
 
 
 def _chunks(b: int, h: int, n: int, g: int) -> int:
@@ -333,38 +415,33 @@ def _chunks(b: int, h: int, n: int, g: int) -> int:
     return max(1, min(n, -(-2 * threads // (b * h)), b * h * n * g // 16384))
 
 
-def _meta(t: torch.Tensor, shape) -> torch.Tensor:
-    t = t.reshape(shape)
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def key_scores(q, codes, scale, offset, codec, out: torch.Tensor, skip: int) -> None:
-    """Writes ``out`` ``[B, H, M, N*G - skip]`` (a view with unit last stride is fine)."""
-    b, h, n, _ = codes.shape
-    shape = (b, h, n, codec.d)
-    _STATE["module"].key_scores(codes, _meta(scale, shape), _meta(offset, shape), q.contiguous(), out,
-                                codec.backend.bits, codec.g, skip)
+    """Writes ``out`` ``[B, H, M, N*G - skip]`` (a view with unit last stride is fine); ``q``
+    ``[B, H, M, D]`` float32; ``scale`` / ``offset`` ``[B, H, N, 1, D]`` in the model's dtype or float32
+    (``packed_attention.raw_parts``: views of the rows)."""
+    _STATE["module"].key_scores(codes, scale, offset, q.contiguous(), out, codec.backend.bits, codec.g, skip)
 
 
 def value_mix(p, codes, scale, offset, codec, skip: int) -> torch.Tensor:
-    """``p`` ``[B, H, M, N*G - skip]`` (a view with unit last stride is fine) -> ``[B, H, M, Dv]``."""
+    """``p`` ``[B, H, M, N*G - skip]`` float32 (a view with unit last stride is fine) -> ``[B, H, M, Dv]``;
+    ``scale`` / ``offset`` ``[B, H, N, G, n, 1]`` as ``key_scores`` takes them."""
     b, h, n, _ = codes.shape
-    ng = codec.shape[1]
-    shape = (b, h, n, codec.g * ng)
     chunks = _chunks(b, h, n, codec.g)
-    return _STATE["module"].value_mix(codes, _meta(scale, shape), _meta(offset, shape), p, codec.backend.bits,
-                                      codec.g, ng, codec.d, chunks, skip)
+    return _STATE["module"].value_mix(codes, scale, offset, p, codec.backend.bits, codec.g, codec.shape[1], codec.d,
+                                      chunks, skip)
 
 
-def attend(q, keys, values, exact, at_blocks: int, skip: int, mask) -> torch.Tensor:
-    """The whole decode attention in one call: ``keys`` / ``values`` ``(codes, scale, offset, codec)``
-    of the packed blocks, ``exact`` the exact segments ``[(k, v)]`` float32 in token order with the
-    blocks before ``exact[at_blocks]``, ``mask`` None or float32 ``[B, H, M, S]``: ``[B, H, M, Dv]``."""
+def attend(query, scale: float, keys, values, exact, at_blocks: int, skip: int, mask) -> torch.Tensor:
+    """The whole decode attention in one call (one allocation, the output): ``query`` ``[B, Hq, L, D]``
+    in the model's dtype (``Hq`` a multiple of the K/V heads, grouped as ``repeat_kv`` does), scaled by
+    ``scale`` inside; ``keys`` / ``values`` ``(codes, scale, offset, codec)`` of the packed blocks
+    (``packed_attention.raw_parts``: the rows' own views, no float32 copy); ``exact`` the exact
+    segments ``[(k, v)]`` ``[B, H, r, D]`` in the model's dtype (unit last stride) in token order with
+    the blocks before ``exact[at_blocks]``; ``mask`` None or float32 ``[B, H, M, S]`` (``M = Hq / H * L``).
+    Returns ``[B, Hq, L, Dv]`` in the query's dtype."""
     (kc, ks, ko, kcodec), (vc, vs, vo, vcodec) = keys, values
     b, h, n, _ = kc.shape
-    ng = vcodec.shape[1]
     chunks = _chunks(b, h, n, kcodec.g)
-    kshape, vshape = (b, h, n, kcodec.d), (b, h, n, vcodec.g * ng)
-    return _STATE["module"].attend(q.contiguous(), kc, _meta(ks, kshape), _meta(ko, kshape), vc, _meta(vs, vshape),
-                                   _meta(vo, vshape), [k for k, _ in exact], [v for _, v in exact], at_blocks, skip,
-                                   kcodec.backend.bits, vcodec.backend.bits, kcodec.g, ng, vcodec.d, chunks, mask)
+    return _STATE["module"].attend(query, scale, kc, ks, ko, vc, vs, vo, [k for k, _ in exact], [v for _, v in exact],
+                                   at_blocks, skip, kcodec.backend.bits, vcodec.backend.bits, kcodec.g,
+                                   vcodec.shape[1], vcodec.d, chunks, mask)

@@ -117,20 +117,17 @@ def packed_pair(packed: Packed, materialize, key_shape, value_shape, dtype, devi
 def decode_pair(layer, blocks, new, visible: int | None):
     """A ``Quantize`` layer's decode step (``tiercache.quantize.processor``) as a ``PackedKV`` pair:
     its visible packed ``blocks`` (``layer._visible``), its sinks, then the exact tail (residual,
-    ``new`` tokens); materializing gives ``layer._assemble``'s tensors, made on first use. A window
-    that left no block gets those plain tensors at once. The shared workspace is reserved at the size
-    the plan counts (``tiercache.planner.footprint.workspace_bytes``), where a fallback writes."""
+    ``new`` tokens); materializing gives ``layer._assemble``'s tensors, made on first use in the
+    shared workspace: only a step that falls back reserves it. A window that left no block gets
+    those plain tensors at once, fresh (small: the window)."""
     s, res = layer.spec, (layer.residual.view() if len(layer.residual) else None)
     shown, n, skip = layer._visible(blocks, len(layer.residual), new[0].shape[2], visible)
     if not n:  # the window left no block (then ``skip`` may reach the exact tail): plain tensors
-        return layer._assemble(blocks, new, visible)
+        return layer._assemble(blocks, new, visible, workspace=False)
     tail = [part for part in (res, new) if part is not None and part[0].shape[2]]  # skip < G: in the blocks
     sinks = layer.sinks.view() if len(layer.sinks) else None
     rows = tuple(r if r.device == s.device else r.to(s.device, non_blocking=True) for r in shown)
     packed = Packed(sinks, rows, skip, tail, layer.codecs)
     size = packed.length  # [B, H, size, D]: what _assemble would return
-    if layer.window is None or size <= layer.window:  # held as the plan counts it, ready for a fallback
-        layer.shared.workspace([(s.batch, s.heads, size, s.key_dim), (s.batch, s.heads, size, s.value_dim)],
-                               s.dtype, s.device)
     return packed_pair(packed, lambda: layer._assemble(blocks, new, visible, residual=res),
                        (s.batch, s.heads, size, s.key_dim), (s.batch, s.heads, size, s.value_dim), s.dtype, s.device)

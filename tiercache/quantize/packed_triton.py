@@ -3,14 +3,16 @@
     available() -> bool                     triton imports and ``TIERCACHE_PACKED_KERNEL`` is not ``torch``
                                             (the kernel is compiled on its first launch)
     handles(codec, rows, which) -> bool     this kernel has the layout and the device
-    attend(q, keys, values, exact, at_blocks, skip, mask, splits=None) -> [B, H, M, Dv]
-        ``packed_cpu.attend``'s interface: ``q`` ``[B, H, M, D]`` float32 (softmax scale applied,
-        query heads grouped onto the K/V heads), ``keys`` / ``values`` ``(codes, scale, offset,
-        codec)`` as ``packed_attention._parts`` gives them, ``exact`` the exact segments ``[(k,
-        v)]`` float32 in token order with the packed blocks before ``exact[at_blocks]``, ``skip``
-        the hidden leading tokens of the first block, ``mask`` None or float32 ``[B, H, M, S]``
-        over every token. ``splits``: how many parts the packed tokens are cut into (default:
-        enough programs to fill the GPU, each part a whole number of blocks).
+    attend(query, scale, keys, values, exact, at_blocks, skip, mask, splits=None) -> [B, Hq, L, Dv]
+        ``packed_cpu.attend``'s interface: ``query`` ``[B, Hq, L, D]`` in its own dtype and strides
+        (scaled by ``scale`` in the kernel, query heads grouped onto the K/V heads as ``repeat_kv``
+        does), ``keys`` / ``values`` ``(codes, scale, offset, codec)`` as
+        ``packed_attention.raw_parts`` gives them (views of the rows, the model's dtype), ``exact``
+        the exact segments ``[(k, v)]`` (at most three: sinks, residual, new tokens) in the model's
+        dtype in token order with the packed blocks before ``exact[at_blocks]``, ``skip`` the hidden
+        leading tokens of the first block, ``mask`` None or float32 ``[B, H, M, S]`` over every
+        token. ``splits``: how many parts the packed tokens are cut into (default: enough programs
+        to fill the GPU, each part a whole number of blocks). The output is in the query's dtype.
 
 How. One program per (batch x head, split): it walks its split's packed blocks, unpacks each
 block's codes in registers (planar ``blocks.pack`` bytes, centred ``code - mid`` as the torch
@@ -18,11 +20,14 @@ reference does) and keeps a running max, sum and weighted value sum of its token
 softmax). Keys per channel fold the scale into the query and the offset into one ``q . o`` term
 per block: ``(q * s) . code + q . o``; values per channel likewise ``(p . code) * s + sum(p) * o``.
 Per token (a scale per token and group of channels) the block's codes are scaled in registers,
-``code * s + o``, before the dot. Nothing but the three partials per split is written; torch then
-merges them with the exact parts (sinks, residual, new tokens) under one softmax, like
-flash-decoding's reduce. The per-block scales and offsets are made float32 and contiguous in
-torch first (a few bytes per block: ``meta_bits: 8`` is rebuilt there, small), and the mask, if
-any, is read per token. Split boundaries are token positions: a split may end inside a block.
+``code * s + o``, before the dot. Nothing but the three partials per split is written (one
+``[B, H, S, M, Dv + 2]`` buffer); a second kernel (``_merge_kernel``, one program per batch x
+K/V head) folds them and the exact parts (sinks, residual, new tokens) under one online softmax,
+like flash-decoding's reduce, and writes the output. The scales and offsets are read in the
+model's dtype where they lie in the rows (their strides passed; centred in registers; ``meta_bits:
+8`` is rebuilt in torch first, small), the query in its own dtype and strides, and the mask, if
+any, per token: a decode step is two allocations and two launches, with no torch op between.
+Split boundaries are token positions: a split may end inside a block.
 
 Selection: ``packed_attention._fast(device)`` picks this module for CUDA tensors when
 ``available()``; ``handles`` then says per layout, the torch reference taking the rest.
@@ -78,16 +83,27 @@ if triton is not None:
         return code.to(tl.float32) - ((1 << BITS) - 1) * 0.5
 
     @triton.jit
-    def _meta(s_ptr, o_ptr, bh, n, N, offs_t, offs_d, live, D: tl.constexpr, G: tl.constexpr, NG: tl.constexpr):
-        """A per-token block's scale and offset as ``[T, D]`` (group ``c // (D / NG)`` of token ``t``)."""
-        at = ((bh * N + n) * G + offs_t[:, None]) * NG + offs_d[None, :] // (D // NG)
+    def _meta(s_ptr, o_ptr, base, offs_t, offs_d, live, D: tl.constexpr, NG: tl.constexpr, MID: tl.constexpr):
+        """A per-token block's scale and centred offset as ``[T, D]`` float32 (group ``c // (D / NG)`` of
+        token ``t``; ``base`` the block's first element of the ``[B, H, N, G * NG]`` metadata)."""
+        at = base + offs_t[:, None] * NG + offs_d[None, :] // (D // NG)
         ok = live[:, None] & (offs_d[None, :] < D)
-        return tl.load(s_ptr + at, mask=ok, other=0.0), tl.load(o_ptr + at, mask=ok, other=0.0)
+        sc = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        return sc, tl.load(o_ptr + at, mask=ok, other=0.0).to(tl.float32) + MID * sc
 
     @triton.jit
-    def _split_kernel(q_ptr, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, mask_ptr, m_out, l_out, acc_out,
-                      H, M, N, n_vis, skip, chunk, splits,
-                      kc_sb, kc_sh, kc_sn, vc_sb, vc_sh, vc_sn, mk_sb, mk_sh, mk_sm, K_EP, V_EP,
+    def _query(q_ptr, b, h, offs_m, offs_d, M, L, REP, D: tl.constexpr, qs_b, qs_h, qs_l, qs_d, sm_scale):
+        """The query rows of K/V head ``h`` ``[M, D]`` float32, scaled: row ``m`` is query head
+        ``h * REP + m // L``, token ``m % L`` (``repeat_kv``'s grouping), read in its dtype and strides."""
+        ptr = q_ptr + b * qs_b + (h * REP + offs_m[:, None] // L) * qs_h + (offs_m[:, None] % L) * qs_l + offs_d[None, :] * qs_d
+        q = tl.load(ptr, mask=(offs_m[:, None] < M) & (offs_d[None, :] < D), other=0.0)
+        return q.to(tl.float32) * sm_scale
+
+    @triton.jit
+    def _split_kernel(q_ptr, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, mask_ptr, part_out,
+                      H, M, L, REP, N, n_vis, skip, chunk, splits, sm_scale,
+                      qs_b, qs_h, qs_l, qs_d, kc_sb, kc_sh, kc_sn, ks_sb, ks_sh, ks_sn, vc_sb, vc_sh, vc_sn,
+                      vs_sb, vs_sh, vs_sn, mk_sb, mk_sh, mk_sm, K_EP, V_EP,
                       G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K_BITS: tl.constexpr,
                       V_BITS: tl.constexpr, K_NG: tl.constexpr, V_NG: tl.constexpr,
                       K_CHANNEL: tl.constexpr, V_CHANNEL: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -104,8 +120,9 @@ if triton is not None:
         offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
         m_ok = offs_m < M
-        q = tl.load(q_ptr + (bh * M + offs_m[:, None]) * DK + offs_dk[None, :],
-                    mask=m_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)  # [M, DK]
+        K_MID: tl.constexpr = ((1 << K_BITS) - 1) * 0.5
+        V_MID: tl.constexpr = ((1 << V_BITS) - 1) * 0.5
+        q = _query(q_ptr, b, h, offs_m, offs_dk, M, L, REP, DK, qs_b, qs_h, qs_l, qs_d, sm_scale)  # [M, DK]
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -115,14 +132,15 @@ if triton is not None:
             v = n * G + offs_t - skip  # visible token index of each row of the block
             live = (offs_t < G) & (v >= lo) & (v < hi)
             kc = _codes(kc_ptr + b * kc_sb + h * kc_sh + n * kc_sn, offs_t, offs_dk, live, DK, K_EP, K_BITS)
+            k_meta = b * ks_sb + h * ks_sh + n * ks_sn  # scale and offset: views of the rows, the model's dtype
             if K_CHANNEL:  # scale folded into the query, offset one q . o term
                 dk_ok = offs_dk < DK
-                ks = tl.load(ks_ptr + (bh * N + n) * DK + offs_dk, mask=dk_ok, other=0.0)
-                ko = tl.load(ko_ptr + (bh * N + n) * DK + offs_dk, mask=dk_ok, other=0.0)
+                ks = tl.load(ks_ptr + k_meta + offs_dk, mask=dk_ok, other=0.0).to(tl.float32)
+                ko = tl.load(ko_ptr + k_meta + offs_dk, mask=dk_ok, other=0.0).to(tl.float32) + K_MID * ks
                 s = tl.dot(q * ks[None, :], tl.trans(kc), input_precision="ieee")
                 s += tl.sum(q * ko[None, :], axis=1)[:, None]
             else:  # a scale per token and group: scaled in registers
-                ks, ko = _meta(ks_ptr, ko_ptr, bh, n, N, offs_t, offs_dk, live, DK, G, K_NG)
+                ks, ko = _meta(ks_ptr, ko_ptr, k_meta, offs_t, offs_dk, live, DK, K_NG, K_MID)
                 s = tl.dot(q, tl.trans(kc * ks + ko), input_precision="ieee")  # [M, T]
             if HAS_MASK:
                 s += tl.load(mask_ptr + b * mk_sb + h * mk_sh + offs_m[:, None] * mk_sm + v[None, :],
@@ -134,20 +152,92 @@ if triton is not None:
             p = tl.exp(s - base[:, None])  # [M, T]
             l_i = l_i * alpha + tl.sum(p, axis=1)
             vc = _codes(vc_ptr + b * vc_sb + h * vc_sh + n * vc_sn, offs_t, offs_dv, live, DV, V_EP, V_BITS)
+            v_meta = b * vs_sb + h * vs_sh + n * vs_sn
             if V_CHANNEL:
                 dv_ok = offs_dv < DV
-                vs = tl.load(vs_ptr + (bh * N + n) * DV + offs_dv, mask=dv_ok, other=0.0)
-                vo = tl.load(vo_ptr + (bh * N + n) * DV + offs_dv, mask=dv_ok, other=0.0)
+                vs = tl.load(vs_ptr + v_meta + offs_dv, mask=dv_ok, other=0.0).to(tl.float32)
+                vo = tl.load(vo_ptr + v_meta + offs_dv, mask=dv_ok, other=0.0).to(tl.float32) + V_MID * vs
                 term = tl.dot(p, vc, input_precision="ieee") * vs[None, :] + tl.sum(p, axis=1)[:, None] * vo[None, :]
             else:
-                vs, vo = _meta(vs_ptr, vo_ptr, bh, n, N, offs_t, offs_dv, live, DV, G, V_NG)
+                vs, vo = _meta(vs_ptr, vo_ptr, v_meta, offs_t, offs_dv, live, DV, V_NG, V_MID)
                 term = tl.dot(p, vc * vs + vo, input_precision="ieee")  # [M, DV]
             acc = acc * alpha[:, None] + term
             m_i = m_new
-        row = (bh * splits + sp) * M + offs_m
-        tl.store(m_out + row, m_i, mask=m_ok)
-        tl.store(l_out + row, l_i, mask=m_ok)
-        tl.store(acc_out + row[:, None] * DV + offs_dv[None, :], acc, mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+        row = ((bh * splits + sp) * M + offs_m) * (DV + 2)  # part [B, H, S, M, DV + 2]: values, max, sum
+        tl.store(part_out + row[:, None] + offs_dv[None, :], acc, mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+        tl.store(part_out + row + DV, m_i, mask=m_ok)
+        tl.store(part_out + row + DV + 1, l_i, mask=m_ok)
+
+    @triton.jit
+    def _exact(q, m_i, l_i, acc, k_ptr, v_ptr, n, col, sb, sh, st, vsb, vsh, vst, b, h, mask_ptr, mk_sb, mk_sh, mk_sm,
+               offs_m, M,
+               offs_dk, offs_dv, DK: tl.constexpr, DV: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_E: tl.constexpr):
+        """One exact segment (``n`` tokens ``[B, H, n, D]`` in the model's dtype, its first column ``col``
+        of the mask) folded into the running max, sum and values, ``BLOCK_E`` tokens at a time."""
+        offs_e = tl.arange(0, BLOCK_E)
+        for e0 in range(0, n, BLOCK_E):
+            e_ok = (e0 + offs_e) < n
+            at = b * sb + h * sh + (e0 + offs_e[:, None]) * st
+            k = tl.load(k_ptr + at + offs_dk[None, :], mask=e_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [M, E]
+            if HAS_MASK:
+                s += tl.load(mask_ptr + b * mk_sb + h * mk_sh + offs_m[:, None] * mk_sm + col + e0 + offs_e[None, :],
+                             mask=(offs_m[:, None] < M) & e_ok[None, :], other=0.0)
+            s = tl.where(e_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - base)
+            p = tl.exp(s - base[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + b * vsb + h * vsh + (e0 + offs_e[:, None]) * vst + offs_dv[None, :], mask=e_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _merge_kernel(q_ptr, part_ptr, mask_ptr, out_ptr,
+                      e0k_ptr, e0v_ptr, e1k_ptr, e1v_ptr, e2k_ptr, e2v_ptr,
+                      H, M, L, REP, splits, sm_scale, qs_b, qs_h, qs_l, qs_d, os_b, os_h, os_l, mk_sb, mk_sh, mk_sm,
+                      n0, c0, s0b, s0h, s0t, v0b, v0h, v0t, n1, c1, s1b, s1h, s1t, v1b, v1h, v1t,
+                      n2, c2, s2b, s2h, s2t, v2b, v2h, v2t,
+                      DK: tl.constexpr, DV: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """flash-decoding's reduce and the exact tokens in one program per (batch x K/V head): the
+        splits' partials (max, sum, values), then up to three exact segments (sinks, residual, new
+        tokens; ``n_i = 0`` for an absent one) under one online softmax; writes ``[B, Hq, L, Dv]``."""
+        bh = tl.program_id(0)
+        b = bh // H
+        h = bh % H
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_dk = tl.arange(0, BLOCK_DK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        m_ok = offs_m < M
+        dv_ok = offs_dv < DV
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        for sp in range(0, splits):
+            row = ((bh * splits + sp) * M + offs_m) * (DV + 2)
+            m_s = tl.load(part_ptr + row + DV, mask=m_ok, other=float("-inf"))
+            l_s = tl.load(part_ptr + row + DV + 1, mask=m_ok, other=0.0)
+            a_s = tl.load(part_ptr + row[:, None] + offs_dv[None, :], mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
+            m_new = tl.maximum(m_i, m_s)
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - base)
+            beta = tl.exp(m_s - base)
+            l_i = l_i * alpha + l_s * beta
+            acc = acc * alpha[:, None] + a_s * beta[:, None]
+            m_i = m_new
+        q = _query(q_ptr, b, h, offs_m, offs_dk, M, L, REP, DK, qs_b, qs_h, qs_l, qs_d, sm_scale)
+        m_i, l_i, acc = _exact(q, m_i, l_i, acc, e0k_ptr, e0v_ptr, n0, c0, s0b, s0h, s0t, v0b, v0h, v0t, b, h, mask_ptr, mk_sb, mk_sh,
+                               mk_sm, offs_m, M, offs_dk, offs_dv, DK, DV, HAS_MASK, BLOCK_E)
+        m_i, l_i, acc = _exact(q, m_i, l_i, acc, e1k_ptr, e1v_ptr, n1, c1, s1b, s1h, s1t, v1b, v1h, v1t, b, h, mask_ptr, mk_sb, mk_sh,
+                               mk_sm, offs_m, M, offs_dk, offs_dv, DK, DV, HAS_MASK, BLOCK_E)
+        m_i, l_i, acc = _exact(q, m_i, l_i, acc, e2k_ptr, e2v_ptr, n2, c2, s2b, s2h, s2t, v2b, v2h, v2t, b, h, mask_ptr, mk_sb, mk_sh,
+                               mk_sm, offs_m, M, offs_dk, offs_dv, DK, DV, HAS_MASK, BLOCK_E)
+        out = acc / l_i[:, None]
+        ptr = out_ptr + b * os_b + (h * REP + offs_m[:, None] // L) * os_h + (offs_m[:, None] % L) * os_l + offs_dv[None, :]
+        tl.store(ptr, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
 
 
 # One software-pipeline stage: the default three buffer every load in shared memory, about 180 KB a
@@ -155,20 +245,6 @@ if triton is not None:
 # (checked by compiling for sm_80 / sm_90 in the tests). FP fusion: triton's default, said (3.9
 # warns when it is left unset). Not tuned on a GPU yet.
 LAUNCH = {"num_warps": 4, "num_stages": 1, "enable_fp_fusion": True}
-
-
-def _flat(t: torch.Tensor, b: int, h: int, n: int) -> torch.Tensor:
-    return t.float().reshape(b, h, n, -1).contiguous()  # [B, H, N, X]: a block's scales (or offsets)
-
-
-def _prepared(parts, b: int, h: int, n: int):
-    """(codes, scale, centred offset, codec): the offset takes ``mid * scale`` as the codes are centred."""
-    codes, scale, offset, codec = parts
-    if codes.stride(-1) != 1:
-        codes = codes.contiguous()
-    mid = (2**codec.backend.bits - 1) / 2
-    scale = _flat(scale, b, h, n)
-    return codes, scale, _flat(offset, b, h, n) + mid * scale, codec
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -186,59 +262,60 @@ def _default_splits(bh: int, n_vis: int, g: int, device: torch.device) -> int:
     return max(1, min(_cdiv(2 * sms, bh), _cdiv(n_vis, 4 * g)))
 
 
-def attend(q, keys, values, exact, at_blocks: int, skip: int, mask, splits: int | None = None) -> torch.Tensor:
-    b, h, n, _ = keys[0].shape
-    kc, ks, ko, kcodec = _prepared(keys, b, h, n)
-    vc, vs, vo, vcodec = _prepared(values, b, h, n)
-    g, m, dk, dv = kcodec.g, q.shape[2], kcodec.d, vcodec.d
+def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def attend(query, scale: float, keys, values, exact, at_blocks: int, skip: int, mask,
+           splits: int | None = None) -> torch.Tensor:
+    """Two launches and two allocations: the split kernel writes each split's partials, the merge
+    kernel folds them and the exact segments into the output (``packed_cpu.attend``'s interface;
+    ``splits`` as in the module docstring)."""
+    (kc, ks, ko, kcodec), (vc, vs, vo, vcodec) = keys, values
+    b, h, n, _ = kc.shape
+    hq, length = query.shape[1], query.shape[2]
+    rep = hq // h
+    g, m, dk, dv = kcodec.g, rep * length, kcodec.d, vcodec.d
     n_vis = n * g - skip
-    q = q.contiguous()
+    if kc.stride(-1) != 1:
+        kc = kc.contiguous()
+    if vc.stride(-1) != 1:
+        vc = vc.contiguous()
+    if len(exact) > 3:
+        raise ValueError(f"packed attention (Triton): at most 3 exact segments (sinks, residual, new), got {len(exact)}")
     if splits is None:
-        chunk = _cdiv(_cdiv(n_vis, _default_splits(b * h, n_vis, g, q.device)), g) * g  # whole blocks
+        chunk = _cdiv(_cdiv(n_vis, _default_splits(b * h, n_vis, g, query.device)), g) * g  # whole blocks
     else:
         chunk = _cdiv(n_vis, splits)  # a boundary may fall inside a block
     splits = _cdiv(n_vis, chunk)  # [lo, hi) = [i * chunk, min((i + 1) * chunk, n_vis)): none empty
     before = sum(k.shape[2] for k, _ in exact[:at_blocks])  # the packed tokens' first column in the mask
-    m_p = torch.empty((b, h, splits, m), dtype=torch.float32, device=q.device)  # [B, H, S, M] each split's max
-    l_p = torch.empty_like(m_p)  # its sum of exp(score - max)
-    acc_p = torch.empty((b, h, splits, m, dv), dtype=torch.float32, device=q.device)  # its weighted values
-    part = None
-    if mask is not None:
-        part = mask[..., before : before + n_vis]  # [B, H, M, n_vis]: the packed tokens' columns
-        part = part if part.stride(-1) == 1 else part.contiguous()
-    mk, mk_strides = (m_p, (0, 0, 0)) if part is None else (part, part.stride()[:3])
+    part = torch.empty((b, h, splits, m, dv + 2), dtype=torch.float32, device=query.device)  # values, max, sum
+    out = torch.empty((b, hq, length, dv), dtype=query.dtype, device=query.device)  # [B, Hq, L, Dv]
+    part_mask, mk_strides = (part, (0, 0, 0)) if mask is None else (mask[..., before:], mask.stride()[:3])
+    qs = query.stride()
     _split_kernel[(b * h, splits)](
-        q, kc, ks, ko, vc, vs, vo, mk, m_p, l_p, acc_p,
-        h, m, n, n_vis, skip, chunk, splits,
-        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), *mk_strides,
+        query, kc, ks, ko, vc, vs, vo, part_mask, part,
+        h, m, length, rep, n, n_vis, skip, chunk, splits, scale, *qs,
+        *_strides3(kc), *_strides3(ks), *_strides3(vc), *_strides3(vs), *mk_strides,
         _cdiv(g * dk, 8 // kcodec.backend.bits), _cdiv(g * dv, 8 // vcodec.backend.bits),  # bytes a plane
         G=g, DK=dk, DV=dv, K_BITS=kcodec.backend.bits, V_BITS=vcodec.backend.bits,
         K_NG=1 if kcodec.axis == "channel" else kcodec.shape[1], V_NG=1 if vcodec.axis == "channel" else vcodec.shape[1],
-        K_CHANNEL=kcodec.axis == "channel", V_CHANNEL=vcodec.axis == "channel", HAS_MASK=part is not None,
+        K_CHANNEL=kcodec.axis == "channel", V_CHANNEL=vcodec.axis == "channel", HAS_MASK=mask is not None,
         BLOCK_M=_pow2(m), BLOCK_T=_pow2(g), BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv), **LAUNCH)
-    return _merge(q, m_p, l_p, acc_p, exact, at_blocks, n_vis, mask)
-
-
-def _merge(q, m_p, l_p, acc_p, exact, at_blocks: int, n_vis: int, mask) -> torch.Tensor:
-    """The split partials ``[B, H, S, M]`` (max, sum) and ``[B, H, S, M, Dv]`` (weighted values)
-    and the exact segments under one softmax: ``[B, H, M, Dv]``."""
-    scores, at = [], 0
-    for i, (k, _) in enumerate(exact):
-        at += n_vis if i == at_blocks else 0
-        s = torch.matmul(q, k.transpose(-1, -2))  # [B, H, M, r]
-        if mask is not None:
-            s = s + mask[..., at : at + k.shape[2]]
-        scores.append(s)
-        at += k.shape[2]
-    top = m_p.amax(2)  # [B, H, M]
-    for s in scores:
-        top = torch.maximum(top, s.amax(-1))
-    top = top.masked_fill(top == float("-inf"), 0.0)
-    w = torch.exp(m_p - top.unsqueeze(2))  # [B, H, S, M]
-    num = (w.unsqueeze(-1) * acc_p).sum(2)  # [B, H, M, Dv]
-    den = (w * l_p).sum(2)
-    for s, (_, v) in zip(scores, exact):
-        p = torch.exp(s - top.unsqueeze(-1))
-        num = num + torch.matmul(p, v)
-        den = den + p.sum(-1)
-    return num / den.unsqueeze(-1)
+    ptrs, ints, col = [], [], 0  # each exact segment's (k, v) and (tokens, first mask column, k / v strides)
+    for i, (k, v) in enumerate(exact):
+        col += n_vis if i == at_blocks else 0
+        ptrs += [k, v]
+        ints += [k.shape[2], col, *_strides3(k), *_strides3(v)]
+        col += k.shape[2]
+    while len(ptrs) < 6:  # three slots (sinks, residual, new tokens): an absent one has no tokens, never read
+        ptrs += [part, part]
+        ints += [0] * 8
+    longest = max((k.shape[2] for k, _ in exact), default=1)
+    _merge_kernel[(b * h,)](
+        query, part, part if mask is None else mask, out, *ptrs,
+        h, m, length, rep, splits, scale, *qs, *out.stride()[:3], *((0, 0, 0) if mask is None else mask.stride()[:3]),
+        *ints,
+        DK=dk, DV=dv, HAS_MASK=mask is not None, BLOCK_M=_pow2(m), BLOCK_E=min(64, _pow2(longest)),
+        BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv), **LAUNCH)
+    return out

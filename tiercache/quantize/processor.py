@@ -40,10 +40,12 @@ poison the scale of a whole group. The check reads the new tokens only (one max-
 V); on CUDA it is read without a host sync and surfaces at the layer's next use
 (``quantize/finite.py``). Returns ``[B, H, S, D]``: the blocks stored before this
 update dequantized in one vectorized pass straight into the output, then the residual and the
-new tokens at full precision (no concatenation of the history). The output lives in the
-cache's shared workspace (no allocation per step): it is valid until the next update on the
-cache (a sliding layer's multi-token update longer than its window, and caches built without
-``shared``, get fresh tensors). Tokens packed during this update are still in hand, so this
+new tokens at full precision (no concatenation of the history). Without ``packed_attention``
+the output lives in the cache's shared workspace (no allocation per step): it is valid until the
+next update on the cache (a sliding layer's multi-token update longer than its window, and caches
+built without ``shared``, get fresh tensors). With ``packed_attention`` a decode step returns
+``PackedKV`` (the workspace is reserved only if that step falls back to dequantizing) and every
+other update returns fresh tensors, so nothing of the context's size is held beside the cache. Tokens packed during this update are still in hand, so this
 update attends over them exactly, as transformers' QuantizedCache does (a long prompt's own
 attention is not perturbed); later updates see them dequantized. A step costs one pass over
 the packed history plus work bounded by the residual.
@@ -140,7 +142,8 @@ class Quantize(KVLayer):
         self.finite.check(key, value, self.seen, lambda: describe(key, value, self.seen, self.g))  # no host sync on CUDA
         sink = min(self.n_sinks - len(self.sinks), t)  # the first tokens seen stay exact
         full = key, value
-        key, value, t = key.narrow(2, sink, t - sink), value.narrow(2, sink, t - sink), t - sink
+        if sink:  # (no op otherwise: a decode step issues as few as it can)
+            key, value, t = key.narrow(2, sink, t - sink), value.narrow(2, sink, t - sink), t - sink
         codecs = self.codecs or self._codecs(spec)
         held = len(self.residual)
         flush = flush_split(held, t, self.r, self.g)  # oldest tokens to pack now
@@ -166,10 +169,12 @@ class Quantize(KVLayer):
         visible = None if self.window is None else self.window - 1 + t
         if self.packed_attention and blocks is not None and t + sink <= PACKED_QUERIES:
             out = self._packed(blocks, (key, value), visible)  # a decode step: attention reads the codes
-        else:
-            out = self._assemble(blocks, (key, value), visible)
+        else:  # a packed layer's other updates (prefill, long steps) get fresh tensors: the workspace is the fallback's
+            out = self._assemble(blocks, (key, value), visible, workspace=not self.packed_attention)
         rest = flush - taken  # new tokens that stay in the residual start here
-        self.residual.replace(taken, key.narrow(2, rest, t - rest), value.narrow(2, rest, t - rest))
+        if rest:
+            key, value = key.narrow(2, rest, t - rest), value.narrow(2, rest, t - rest)
+        self.residual.replace(taken, key, value)
         self.seen += t + sink
         if self.window is not None and self.recording:
             self.recorded += t + sink
