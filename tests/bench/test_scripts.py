@@ -28,6 +28,8 @@ SCRIPTS = [
                                      "--kv-heads", "2", "--intermediate", "128", "--vocab", "256",
                                      "--policies", "default,tiered-int4-offload", "--out", "."],
                  ["| default | 300 |", "| tiered-int4-offload |", "runtime baseline", "wrote"], id="memory"),
+    pytest.param("bench_regrow.py", ["--dry-run"],
+                 ["host MiB/1k", "offload   loop", "offload   prefill", "resident  prefill"], id="regrow"),
     pytest.param("bench_packed_triton.py", ["--dry-run"],  # the Triton interpreter on the CPU: the script runs
                  ["| 64 | attn | ", "| 96 | step | ", "largest |Triton - dequantize-then-SDPA|"], id="packed-triton",
                  marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
