@@ -15,6 +15,9 @@ Choices where DESIGN.md is silent
 - ``key_gain`` (default 1.0: off) multiplies the keys attention reads of the packed tokens (not
   the sinks, not the residual): a quantized context loses attention against the exact tokens,
   which a gain above 1 gives back (README, "A gain on the quantized keys"). A number in (0, 4].
+- ``calibration`` (with ``auto: true``): the per-layer sensitivity ``tiercache tune`` saved (JSON); the
+  auto ladder then offers a rung of per-layer formats chosen by it (``tiercache.planner.mixed``).
+  A relative path is read from the working directory.
 - ``cross_attention`` (encoder-decoder models, ``tiercache.cache.cross_attention``): its own ``quantize``
   / ``offload``, not merged with the top-level ones; omitted means full precision on the device.
 """
@@ -128,6 +131,8 @@ class Policy:
     overrides: tuple[Override, ...] = ()
     budget: Budget | None = None
     auto: bool = False
+    calibration: str | None = None  # auto: a sensitivity file of tiercache tune; the ladder then picks per-layer
+    # formats by measured sensitivity (tiercache.planner.mixed) where no lossless rung fits
     cross_attention: CrossAttentionPolicy | None = None
 
     @classmethod
@@ -149,6 +154,11 @@ class Policy:
             raise PolicyError("policy.max_length: storage 'static' needs max_length (tokens to preallocate), got null")
         if self.auto and (self.budget is None or self.budget.device is None):
             raise PolicyError("policy.budget.device: auto: true needs a device budget to fit, got none")
+        if self.calibration is not None and not self.auto:
+            raise PolicyError(f"policy.calibration: {self.calibration!r} is read by auto: true only (it picks per-layer "
+                              "formats within the budget); set auto: true, or use the policy tiercache tune wrote")
+        if self.calibration is not None and not str(self.calibration).strip():
+            raise PolicyError("policy.calibration: an empty path; give the JSON file tiercache tune saved, or omit it")
         for i, q in _sections(self, "quantize"):
             _check_quantize(q, i)
         for i, o in _sections(self, "offload"):
