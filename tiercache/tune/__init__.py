@@ -7,5 +7,6 @@ perplexity change, top-1 agreement, pass-key retrieval), ``calibrate`` (one full
 per-layer key / value sensitivity: ``tiercache.planner.mixed.Sensitivity``), ``verify`` (a policy
 measured end to end through a ``TieredCache``), ``search`` (per-layer formats within the planner's
 byte budget, then verified, stepping back toward more bits), ``report`` (the policy YAML with its
-header, the frontier table and plot), ``command`` (the two CLI commands).
+header, the frontier table and plot), ``inputs`` (the model and text both commands start from),
+``session`` (one ``tune`` run, start to end), ``command`` (the two CLI commands' flags and ``check``).
 """

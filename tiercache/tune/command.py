@@ -33,7 +33,7 @@ from pathlib import Path
 from tiercache.argtypes import non_negative_int, positive_int
 from tiercache.errors import PolicyError
 
-UNIFORM_NAMES = {"int8": 8, "int4": 4, "int2": 2}
+from tiercache.tune.inputs import UNIFORM_NAMES, setup
 
 
 def positive_float(text: str) -> float:
@@ -105,28 +105,6 @@ def _error(command: str, message: str) -> int:
     return 1
 
 
-def _setup(args, command: str):
-    """(model, tokenizer, [calibration ids, verification ids], text source) or an error message."""
-    import torch
-
-    from tiercache.models.load import ModelLoadError, load_model
-    from tiercache.tune.text import TextError, windows
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.stretch >= args.context:
-        raise ValueError(f"--stretch {args.stretch} must be below --context {args.context} (a prefix comes first)")
-    try:
-        model, tok = load_model(args.model)
-    except ModelLoadError as e:
-        raise ValueError(str(e)) from None
-    try:
-        wins, source = windows(tok, args.text, args.context, 2)
-    except TextError as e:
-        raise ValueError(str(e)) from None
-    return model, tok, wins, source
-
-
 def run_check(args) -> int:
     from tiercache.policy.schema import load_policy
     from tiercache.tune.report import figures_text
@@ -135,8 +113,7 @@ def run_check(args) -> int:
     started = time.perf_counter()
     try:
         policy = load_policy(args.policy)
-        model, tok, wins, source = _setup(args, "check")
-        from tiercache.planner.api import resolve_model  # noqa: F401 - resolve against the loaded model
+        model, tok, wins, source = setup(args)
         from tiercache.models.spec import ModelSpec
 
         policy.resolve(ModelSpec.from_config(model.config))

@@ -16,7 +16,8 @@ Interface
         prefill ``ids`` through ``cache`` (chunks of ``PREFILL_CHUNK``), decode greedily; found when
         the answer's first digits are the key
 
-Perplexity and agreement reuse ``tiercache.bench.quality`` (``perplexity``, ``agreement``).
+``kld``, perplexity and agreement are ``tiercache.bench.quality``'s (``kld``, ``perplexity``,
+``agreement``), so ``tiercache bench`` and ``tune`` report one measure.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tiercache.bench import quality
+from tiercache.bench.quality import kld
 from tiercache.cache.compat import cache_arg
 from tiercache.tune.text import encode
 
@@ -38,13 +40,6 @@ ANSWER_TOKENS = 8
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
     return F.log_softmax(logits.float(), dim=-1)  # [M, V]
-
-
-def kld(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """``sum_v p(v) (log p(v) - log q(v))`` per position; ``ref_logp`` / ``logp``: ``[M, V]`` log-probs."""
-    if ref_logp.shape != logp.shape:
-        raise ValueError(f"kld: shapes differ: reference {tuple(ref_logp.shape)}, candidate {tuple(logp.shape)}")
-    return (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0.0)  # [M]
 
 
 @dataclass

@@ -42,7 +42,7 @@ def tune(args) -> int:
     from tiercache.planner.mixed import Sensitivity
     from tiercache.policy.schema import Policy, load_policy
     from tiercache.tune import calibrate, report, search
-    from tiercache.tune.command import UNIFORM_NAMES, _setup
+    from tiercache.tune.inputs import UNIFORM_NAMES, setup
     from tiercache.tune.verify import Verifier
 
     started, cpu = time.monotonic(), time.process_time()
@@ -58,7 +58,7 @@ def tune(args) -> int:
             raise TuneError(f"--calibration {calib_path}: measured on model {sens.meta.get('model')!r}, not "
                             f"{args.model!r}; give another file or delete it to calibrate again")
     try:
-        model, tok, wins, source = _setup(args, "tune")
+        model, tok, wins, source = setup(args)
     except ValueError as e:
         raise TuneError(str(e)) from None
     spec = ModelSpec.from_config(model.config)
