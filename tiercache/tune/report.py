@@ -8,7 +8,7 @@ Interface
         measured figures of the chosen point (on text the calibration did not see)
     table(points, reference=None) -> str       markdown: one row per point, bytes x against ``reference``
     plot(points, path, title)                  bytes vs measured KLD (log), uniform and tuned apart
-    write_frontier(points, out_stem, meta) -> {"md", "json", "png"}
+    write_frontier(points, out_stem, meta) -> {"md", "json", "png"}   (png None without matplotlib)
 """
 
 from __future__ import annotations
@@ -125,6 +125,9 @@ def write_frontier(points, out_stem, meta: dict, reference=None) -> dict:
     rows = [{"name": p.name, "kind": p.kind, "bytes": p.bytes, "predicted": p.predicted,
              **(p.figures.row() if p.figures is not None else {})} for p in points]
     paths["json"].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
-    plot(points, paths["png"], meta.get("title", "tiercache tune: bytes vs KLD"))
-    return {k: str(v) for k, v in paths.items()}
+    try:
+        plot(points, paths["png"], meta.get("title", "tiercache tune: bytes vs KLD"))
+    except ImportError:  # matplotlib is the bench extra's: the table and JSON are written without it
+        paths["png"] = None
+    return {k: (str(v) if v is not None else None) for k, v in paths.items()}
 

@@ -34,10 +34,34 @@ def _paths(args):
     return out, calib, frontier
 
 
-def tune(args) -> int:
-    import torch
-    from tqdm.auto import tqdm
+class _NoBar:
+    """What tune asks of a progress bar, when tqdm (the ``bench`` extra) is not installed."""
 
+    def __init__(self, total):
+        self.n, self.total = 0, total
+
+    def update(self, n):
+        self.n += n
+
+    def set_postfix_str(self, *a, **k):
+        pass
+
+    def refresh(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _bar(total: int, disable: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar(total)
+    return tqdm(total=total, desc="tune", unit="fwd", disable=disable, dynamic_ncols=True, file=sys.stderr)
+
+
+def tune(args) -> int:
     from tiercache.models.spec import ModelSpec
     from tiercache.planner.mixed import Sensitivity
     from tiercache.policy.schema import Policy, load_policy
@@ -78,7 +102,7 @@ def tune(args) -> int:
     passkey = not args.no_passkey
     layers = calibrate.full_attention_layers(model)
     n_cal = 0 if sens is not None else calibrate.trials(len(layers), calibrate.BITS, args.sinks, args.residual)
-    bar = tqdm(total=n_cal, desc="tune", unit="fwd", disable=args.no_progress, dynamic_ncols=True, file=sys.stderr)
+    bar = _bar(n_cal, args.no_progress)
 
     def tick(n=1, label=None):
         bar.update(n)
@@ -136,7 +160,7 @@ def tune(args) -> int:
     ok = chosen.meets(args.max_kld) and (budget is None or chosen.bytes <= budget)
     print(f"{'chose' if ok else 'best found (misses the request)'}: {chosen.name} ({chosen.kind}), "
           f"{chosen.bytes} bytes; {report.figures_text(chosen.figures)}")
-    print(f"policy: {out}\nsensitivity: {calib_path}\nfrontier: {paths['md']}, {paths['png']}\n"
+    print(f"policy: {out}\nsensitivity: {calib_path}\nfrontier: {paths['md']}, {paths['png'] or 'no plot (matplotlib missing)'}\n"
           f"tune took {seconds:.1f} s wall, {cpu:.1f} s CPU (calibration {sens.meta.get('seconds', 0)} s wall"
           f"{', read from file' if n_cal == 0 else ''})")
     return 0 if ok else 1
