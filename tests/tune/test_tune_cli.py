@@ -86,6 +86,7 @@ def test_check_exits_by_threshold(capsys):
     (["--budget", "int4", "--text", "/nonexistent/file.txt"], "cannot be read"),
     (["--budget", "int4", "--stretch", "600"], "must be below --context"),
     (["--budget", "int4", "--out", "policy.txt"], "give a .yaml path"),
+    (["--budget", "int4", "--time-budget", "0.001"], "--time-budget"),
 ])
 def test_tune_bad_inputs(extra, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

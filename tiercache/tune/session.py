@@ -5,9 +5,9 @@ Interface
     tune(args) -> exit code        ``args``: ``tiercache.tune.command``'s parsed flags
     TuneError                      what cannot run (the message names the flag and what is allowed)
 
-Progress: one tqdm bar over the model forwards still to make (calibration trials, then the
-verification's decode steps and pass-key answers), whose rate gives the time estimate; the
-estimate of the whole run is printed once the first measurement has timed a forward.
+Progress: one tqdm bar over the model forwards of the whole run (calibration trials, then each
+verification's decode steps and pass-key answers), counted before the first, so that its ETA is
+the run's time estimate (approximate: a stretch forward and a decode step differ in cost).
 """
 
 from __future__ import annotations
@@ -102,7 +102,10 @@ def tune(args) -> int:
     passkey = not args.no_passkey
     layers = calibrate.full_attention_layers(model)
     n_cal = 0 if sens is not None else calibrate.trials(len(layers), calibrate.BITS, args.sinks, args.residual)
-    bar = _bar(n_cal, args.no_progress)
+    from tiercache.tune.metrics import ANSWER_TOKENS, DEPTHS
+
+    per_verify = args.stretch - 1 + (len(DEPTHS) * (1 + ANSWER_TOKENS) if passkey else 0)
+    bar = _bar(n_cal + per_verify * (len(uniforms) + 1), args.no_progress)
 
     def tick(n=1, label=None):
         bar.update(n)
@@ -121,9 +124,6 @@ def tune(args) -> int:
             calib_path.parent.mkdir(parents=True, exist_ok=True)
             sens.save(calib_path)
         verifier = Verifier(model, tok, wins[-1], args.stretch, passkey=passkey, tick=tick)
-        per_verify = verifier.forwards()
-        bar.total = bar.n + per_verify * (len(uniforms) + 2)
-        bar.refresh()
 
         def measure(policy):
             bar.set_postfix_str(f"verifying {policy.name}", refresh=False)
