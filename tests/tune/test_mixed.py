@@ -103,3 +103,13 @@ def test_auto_with_calibration_picks_per_layer_formats(tmp_path, spec, monkeypat
     bad.write_text(json.dumps({**s.to_json(), "layers": [0, 1, 2, 3, 9]}))
     with pytest.raises(PolicyError):
         tiercache.plan({"auto": True, "calibration": str(bad), "budget": {"device": budget}}, spec, 1, 2048)
+
+
+def test_a_budget_of_exactly_the_smallest_choice_fits_it(spec):
+    s = sens()
+    base = Policy.from_dict({"name": "b"})
+    smallest = mixed.policy_of(base, s, {l: mixed.Option(2, 2) for l in s.layers})
+    limit = sum(tiercache.plan(smallest, spec, 1, 2048).bytes.values())
+    choice, pred, _ = mixed.fit(s, base, spec, 1, 2048, limit)
+    assert set(choice.values()) == {mixed.Option(2, 2)}
+    assert mixed.fit(s, base, spec, 1, 2048, limit - 1) is None

@@ -275,16 +275,25 @@ def fit(sens: Sensitivity, base: Policy, spec, batch: int, context: int, limit: 
     from tiercache.planner.concrete import plan_concrete
 
     table = table or frontier(sens, layer_costs(sens, spec, batch, context, base))
+
+    def used(choice) -> int:
+        p = plan_concrete(policy_of(base, sens, choice), spec, batch, context)
+        return p.bytes[tier] if tier else sum(p.bytes.values())
+
     room = limit - _fixed(base, sens, spec, batch, context)
     for _ in range(8):  # the layers' sum misses the shared workspace and rounding: shrink by what the plan is over
         choice = table.best_within(room)
         if choice is None:
-            return None
-        p = plan_concrete(policy_of(base, sens, choice), spec, batch, context)
-        used = p.bytes[tier] if tier else sum(p.bytes.values())
-        if used <= limit:
+            break
+        over = used(choice) - limit
+        if over <= 0:
             return choice, predicted(sens, choice), sens
-        room -= used - limit
+        room -= over
+    # the table rounds each layer's bytes up to a bin: a budget of exactly the smallest choice falls
+    # between bins, so that choice is checked by the planner itself
+    smallest = {l: Option(min(sens.bits), min(sens.bits)) for l in sens.layers}
+    if used(smallest) <= limit:
+        return smallest, predicted(sens, smallest), sens
     return None
 
 
