@@ -8,6 +8,11 @@
                        [--prefill-chunk N] [--chat | --no-chat]
                                                     chunked prefill (tiercache.cache.prefill), then decode
     tiercache bench [...]                           the trade-off benchmark (see tiercache.bench)
+    tiercache tune --model M --context N (--budget SIZE | --max-kld X) [--text FILE ...] [--out policy.yaml]
+                                                    a policy for this model and budget by measurement
+    tiercache check POLICY --model M [--text FILE ...] [--max-kld X]
+                                                    KLD, perplexity, top-1, pass key vs full precision; exit 1 past it
+                                                    (both: tiercache.tune.command)
     tiercache serve --model M [--policy P] [--store S] [--host H] [--port N] [--no-store] [--persist DIR]
                     [--api-key KEY | --api-keys FILE] [--max-active N] [--prefill-chunk N] [--step-tokens N]
                     [--shutdown-timeout S]
@@ -172,6 +177,18 @@ def _build_kernels(args) -> int:
     return status
 
 
+def _tune(args) -> int:
+    from tiercache.tune.command import run_tune
+
+    return run_tune(args)
+
+
+def _check(args) -> int:
+    from tiercache.tune.command import run_check
+
+    return run_check(args)
+
+
 def _bench(args, rest: list[str]) -> int:
     from tiercache.bench import main
 
@@ -217,6 +234,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--sample", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     sub.add_parser("bench", help="the trade-off benchmark (flags: tiercache bench --help)", add_help=False)
+    from tiercache.tune.command import add_check, add_tune
+
+    add_tune(sub)
+    add_check(sub)
     s = sub.add_parser("serve", help="an OpenAI-compatible server that keeps conversations' KV caches")
     s.add_argument("--model", default="tiny", help="tiny (default), tiny-random, a local model directory or a hub id")
     s.add_argument("--policy", default=None, help="serving policy YAML (rung 0; default: full precision)")
@@ -261,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate" and args.policy is None:
         args.policy = {"name": "full-precision"}
     try:
-        return {"validate": _validate, "plan": _plan, "generate": _generate, "serve": _serve,
-                "build-kernels": _build_kernels}[args.command](args)
+        return {"validate": _validate, "plan": _plan, "generate": _generate, "serve": _serve, "tune": _tune,
+                "check": _check, "build-kernels": _build_kernels}[args.command](args)
     except CacheError as e:
         return _error(args.command, str(e))
 

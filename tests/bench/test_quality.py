@@ -47,3 +47,16 @@ def test_greedy_run_agrees_with_itself(model, ids):
     a, _, _ = runner.greedy(model, DynamicCache(config=model.config), ids[:32], 8)
     b, _, _ = runner.greedy(model, DynamicCache(config=model.config), ids[:32], 8)
     assert len(a) == 9 and quality.agreement(a, b) == 1.0 and quality.prefix_match(a, b) == 9
+
+
+def test_kld_is_zero_for_full_precision_and_grows_with_fewer_bits(model, ids):
+    from tiercache import TieredCache
+
+    ref = quality.reference_logp(model, ids, 32)  # [16, V]
+    klds = {}
+    for bits in (None, 8, 2):
+        policy = {"name": "q"} if bits is None else {"quantize": {"bits": bits, "group_size": 8, "residual_length": 8}}
+        logp = quality.decode_logp(model, TieredCache.from_policy(policy, model.config), ids, 32)
+        assert logp.shape == ref.shape
+        klds[bits] = float(quality.kld(ref, logp).mean())
+    assert klds[None] < 1e-6 and 0 < klds[8] < klds[2]

@@ -1,7 +1,8 @@
 """Write the benchmark's results: a markdown table, a JSON file and a PNG plot.
 
 Interface
-- ``markdown(rows, meta) -> str``: one line per setup (see ``COLUMNS``); ratios are against the
+- ``markdown(rows, meta) -> str``: one line per setup (see ``COLUMNS``; "KLD": the mean KL divergence of
+  the next-token distribution from full precision's, in nats, beside the perplexity change); ratios are against the
   ``DynamicCache`` row (or the first tiercache row when there is none). "cache" is everything
   held (``nbytes()``, shared buffers such as the dequantization workspace included; the JSON's
   ``shared_total`` says how much of it they are); "peak decoding" adds what a decode step
@@ -19,7 +20,7 @@ import json
 from pathlib import Path
 
 COLUMNS = ["setup", "kind", "cache", "× bytes", "peak decoding", "decode tok/s", "× decode", "prefill tok/s", "Δppl",
-           "top-1 agree", "greedy agree", "note"]
+           "KLD", "top-1 agree", "greedy agree", "note"]
 PLACES = "per place"  # a column only when some setup holds bytes in more than one place (offload on a GPU)
 
 
@@ -58,7 +59,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         ratio_d = g("decode_tok_s") / ref["decode_tok_s"] if ref and g("decode_tok_s") else None
         cells = [r["name"], r["kind"], human(g("cache_total")), _fmt(ratio_b, ".3f"), human(g("peak")),
                  _fmt(g("decode_tok_s"), ".1f"), _fmt(ratio_d, ".2f"), _fmt(g("prefill_tok_s"), ".0f"),
-                 _fmt(g("ppl_delta"), "+.4f"), _fmt(g("top1_agreement"), ".3f"), _fmt(g("greedy_agreement"), ".3f"),
+                 _fmt(g("ppl_delta"), "+.4f"), _fmt(g("kld"), ".5f"), _fmt(g("top1_agreement"), ".3f"), _fmt(g("greedy_agreement"), ".3f"),
                  _note(g("note"))]
         if split:
             cells.insert(3, ", ".join(f"{k} {human(v)}" for k, v in sorted((g("cache_bytes") or {}).items())) or "-")

@@ -9,7 +9,8 @@ Interface
   interleaved across setups), ``cache_bytes`` ({place: bytes} after ``context + new_tokens``
   tokens), ``cache_total``, ``peak`` (the setup's own peak of tensor memory while decoding after
   the prompt: its cache plus what the steps allocate, measured alone by an ``AllocationMeter``, the
-  same way on every device), ``ppl``, ``ppl_delta`` (vs the reference), ``top1_agreement``
+  same way on every device), ``ppl``, ``ppl_delta`` (vs the reference), ``kld`` (mean KL divergence of the next-token
+  distribution from the reference's, ``quality.kld``), ``top1_agreement``
   (teacher-forced argmax vs the reference's), ``greedy_agreement`` and ``greedy_prefix``
   (free-running greedy tokens vs the reference's), ``seconds``; ``note`` holds the error if the
   setup failed. ``measure(setup, ...)``: the same for one setup.
@@ -71,6 +72,7 @@ class Reference:
     nll: torch.Tensor  # [M]
     top1: torch.Tensor  # [M]
     tokens: list[int]  # [new_tokens + 1]
+    logp: torch.Tensor | None = None  # [M, V] log-probs of the no-cache pass (the KLD's reference)
 
     @property
     def ppl(self) -> float:
@@ -80,9 +82,10 @@ class Reference:
     def compute(cls, model, ids: torch.Tensor, context: int, new_tokens: int) -> "Reference":
         from transformers import DynamicCache
 
-        nll, top1 = quality.reference(model, ids, context)
+        logp = quality.reference_logp(model, ids, context)  # [M, V]
+        nll, top1 = quality.nll_top1(logp, ids, context)
         tokens, _, _ = greedy(model, DynamicCache(config=model.config), ids[:context], new_tokens)
-        return cls(nll, top1, tokens)
+        return cls(nll, top1, tokens, logp)
 
 
 def completed(row: dict) -> bool:
@@ -151,9 +154,12 @@ def measure_all(setup_list: list[Setup], model, ids: torch.Tensor, context: int,
             _close(cache)
             row.update(_footprint(s, model, ids[:context], FOOTPRINT_STEPS))
             cache = s.make()
-            nll, top1 = quality.decode_nll(model, cache, ids, context, tick)
+            logp = quality.decode_logp(model, cache, ids, context, tick)  # [M, V]
+            nll, top1 = quality.nll_top1(logp, ids, context)
             _close(cache)
             row.update(ppl=quality.perplexity(nll), top1_agreement=quality.agreement(top1, ref.top1) if ref else None)
+            if ref is not None and ref.logp is not None:
+                row["kld"] = float(quality.kld(ref.logp, logp).mean())
             if ref is not None:
                 row["ppl_delta"] = row["ppl"] - ref.ppl
             live.append((s, row))

@@ -19,6 +19,11 @@ The ladder (each rung costs more quality or more speed than the one before):
     9 int4-kivi-disk     4-bit KIVI, memory-mapped files on disk
    10 int2-kivi-disk     2-bit KIVI on disk: the smallest footprint
 
+With ``calibration: FILE`` (the sensitivity ``tiercache tune`` saved), a rung
+``calibrated-resident`` follows the two lossless ones: the per-layer key / value formats of least
+predicted KLD whose plan fits ``budget.device`` (``tiercache.planner.mixed.choose``). Every uniform
+resident rung is one of its choices, so where it fits it is never predicted worse than them.
+
 Each rung starts from the auto policy: its storage, max_length, overrides and budget are kept;
 its ``quantize`` section (if any) is the template for group_size, residual_length and backend,
 its ``offload`` section for prefetch, pin_memory and path. A rung the backend cannot do (e.g.
@@ -49,6 +54,7 @@ RUNGS: tuple[tuple[str, int | None, str | None], ...] = (
     ("int4-kivi-disk", 4, "disk"),
     ("int2-kivi-disk", 2, "disk"),
 )
+CALIBRATED = "calibrated-resident"  # with ``calibration:``: per-layer formats by measured sensitivity (planner.mixed)
 
 
 @dataclass
@@ -61,7 +67,7 @@ class Rung:
 
 def _rung_policy(auto: Policy, name: str, bits: int | None, where: str | None) -> Policy:
     data = auto.to_dict()
-    data.update(name=f"{auto.name}/{name}", auto=False)
+    data.update(name=f"{auto.name}/{name}", auto=False, calibration=None)
     if bits is None:
         data["quantize"] = None
     else:
@@ -77,13 +83,20 @@ def _rung_policy(auto: Policy, name: str, bits: int | None, where: str | None) -
     return Policy.from_dict(data)
 
 
-def candidates(auto: Policy) -> list[tuple[str, "Policy | PolicyError"]]:
+def candidates(auto: Policy, spec=None, batch: int = 1, context: int = 4096) -> list[tuple[str, "Policy | PolicyError | None"]]:
+    """The rungs' policies (a PolicyError for a rung the backend cannot do). With ``calibration``
+    (and ``spec``), the ``CALIBRATED`` rung follows the lossless ones: None there when no per-layer
+    choice fits the device budget."""
     out = []
     for name, bits, where in RUNGS:
         try:
             out.append((name, _rung_policy(auto, name, bits, where)))
         except PolicyError as e:
             out.append((name, e))
+        if name == "fp-host" and auto.calibration is not None and spec is not None:
+            from tiercache.planner.mixed import choose
+
+            out.append((CALIBRATED, choose(auto, spec, batch, context)))
     return out
 
 
@@ -93,7 +106,10 @@ def walk(auto: Policy, spec, batch: int, context: int, encoder_length: int | Non
 
     rungs: list[Rung] = []
     chosen = None
-    for name, cand in candidates(auto):
+    for name, cand in candidates(auto, spec, batch, context):
+        if cand is None:
+            rungs.append(Rung(name, None, None, "rejected: no per-layer choice of the calibration fits the device budget"))
+            continue
         if isinstance(cand, PolicyError):
             rungs.append(Rung(name, None, None, f"rejected: {cand}"))
             continue

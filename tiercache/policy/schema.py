@@ -18,6 +18,9 @@ Choices where DESIGN.md is silent
 - ``budget.gpu_memory`` is the card a policy is written for (``24GB``: 24e9 bytes, as cards are
   sold; ``22GiB``: 22 * 2^30): the planner's verdict then also needs the whole run's device footprint
   (``tiercache.planner.whole``) to fit it; a value under 1 MiB is refused as a size without its unit.
+- ``calibration`` (with ``auto: true``): the per-layer sensitivity ``tiercache tune`` saved (JSON); the
+  auto ladder then offers a rung of per-layer formats chosen by it (``tiercache.planner.mixed``).
+  A relative path is read from the working directory.
 - ``cross_attention`` (encoder-decoder models, ``tiercache.cache.cross_attention``): its own ``quantize``
   / ``offload``, not merged with the top-level ones; omitted means full precision on the device.
 """
@@ -135,6 +138,8 @@ class Policy:
     overrides: tuple[Override, ...] = ()
     budget: Budget | None = None
     auto: bool = False
+    calibration: str | None = None  # auto: a sensitivity file of tiercache tune; the ladder then picks per-layer
+    # formats by measured sensitivity (tiercache.planner.mixed) where no lossless rung fits
     cross_attention: CrossAttentionPolicy | None = None
 
     @classmethod
@@ -168,6 +173,11 @@ class Policy:
         if card is not None and card < MIN_CARD:
             raise PolicyError(f"{where}.budget.gpu_memory: {int(card)} bytes is no GPU's memory; give the card with "
                               "its unit: 24GB (10^9 bytes, as cards are sold) or 22GiB (2^30 bytes)")
+        if self.calibration is not None and not self.auto:
+            raise PolicyError(f"{where}.calibration: {self.calibration!r} is read by auto: true only (it picks per-layer "
+                              "formats within the budget); set auto: true, or use the policy tiercache tune wrote")
+        if self.calibration is not None and not str(self.calibration).strip():
+            raise PolicyError(f"{where}.calibration: an empty path; give the JSON file tiercache tune saved, or omit it")
         for i, q in _sections(self, "quantize", where):
             check_quantize(q, i)
         for i, o in _sections(self, "offload", where):
