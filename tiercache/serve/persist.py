@@ -15,7 +15,11 @@ earlier save used. A save writes every file of the new set, then replaces the ma
 the files that the new manifest does not name removed. A save killed at any point leaves the
 previous set whole (its manifest and every file it names); files it wrote before dying are named
 by no manifest and are removed by the next save. A directory without a manifest (written by an
-earlier tiercache) is read as one set of every ``*.tiercache`` file in it.
+earlier tiercache) is read as one set of every ``*.tiercache`` file in it. Only plain file names
+in ``DIR`` are read: a manifest name that is absolute, holds a separator or ``..``, or is a
+symlink to a file outside ``DIR`` is refused (logged, not loaded, not named again); the files'
+own headers cannot choose where disk tiers write (``TieredCache.load`` puts them under the
+ladder's disk path, the one this server was configured with).
 
 Loading never deletes. A file that fails a check is refused, logged with the reason, and kept: it
 is named again by the next save's manifest (``keep``), so a restart with the wrong ``--model`` or
@@ -30,12 +34,15 @@ LRU line, so the order of use survives the restart; the budget is enforced as ea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import uuid
 from pathlib import Path
 from typing import NamedTuple
+
+from tiercache.lifecycle import bounds
 
 log = logging.getLogger("tiercache.serve")
 SUFFIX = ".tiercache"
@@ -52,7 +59,7 @@ def save_entries(store, directory, keep=()) -> int:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:12]
-    kept = [{"file": name, "tokens": None} for name in keep if (directory / name).is_file()]
+    kept = [{"file": name, "tokens": None} for name in keep if _inside(directory, name) and (directory / name).is_file()]
     saved = []
     for i, (ids, cache, _) in enumerate(store.entries()):  # oldest first
         name = f"entry-{tag}-{i:06d}{SUFFIX}"
@@ -86,8 +93,28 @@ def _commit(directory: Path, manifest: dict) -> None:
         os.close(fd)
 
 
+def _inside(directory: Path, name) -> bool:
+    """``name`` is a plain file name whose file (symlinks followed) lies in ``directory``."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or os.sep in name \
+            or (os.altsep and os.altsep in name) or "\0" in name:
+        return False
+    try:
+        return (directory / name).resolve().parent == directory.resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        return False
+
+
 def _the_set(directory: Path) -> list[str]:
-    """File names of the committed set, oldest first."""
+    """File names of the committed set, oldest first; names that leave ``directory`` are dropped."""
+    names = _named(directory)
+    for name in names:
+        if not _inside(directory, name):
+            log.error("persist: refusing the name %r in %s: not a file of that directory (an absolute path, "
+                      "'..', a separator or a symlink out); not loaded, not named again", name, directory)
+    return [name for name in names if _inside(directory, name)]
+
+
+def _named(directory: Path) -> list:
     path = directory / MANIFEST
     loose = sorted(p.name for p in directory.glob(f"*{SUFFIX}"))
     if not path.is_file():
@@ -97,11 +124,11 @@ def _the_set(directory: Path) -> list[str]:
         if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
             raise ValueError(f"format {manifest.get('format')!r} version {manifest.get('version')!r}, "
                              f"expected {FORMAT!r} version {VERSION}")
-        names = [str(r["file"]) for r in manifest["entries"]]
+        names = [r["file"] for r in manifest["entries"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.error("persist: %s is not readable (%s); reading every %s file in %s instead", path, e, SUFFIX, directory)
         return loose
-    stray = sorted(set(loose) - set(names))
+    stray = sorted(set(loose) - {n for n in names if isinstance(n, str)})
     if stray:
         log.warning("persist: %d file(s) in %s belong to no committed set (a save was interrupted): ignored, "
                     "removed by the next save", len(stray), directory)
@@ -116,6 +143,8 @@ def load_entries(store, directory, model_config, vocab_size: int | None = None, 
         directory.mkdir(parents=True, exist_ok=True)
         return Loaded(0, [])
     loaded, refused = 0, []
+    disk = set().union(*(bounds.offload_paths(p.to_dict()) for p in store.ladder))
+    offload_path = next(iter(disk)) if len(disk) == 1 else None  # this server's own disk path (the files' never)
 
     def refuse(name: str, why: str) -> None:
         log.error("persist: refusing %s (kept on disk, not loaded): %s", directory / name, why)
@@ -127,7 +156,7 @@ def load_entries(store, directory, model_config, vocab_size: int | None = None, 
             log.error("persist: %s is named by the manifest but missing", path)
             continue
         try:
-            cache = TieredCache.load(path, model_config, device=device)
+            cache = TieredCache.load(path, model_config, device=device, offload_path=offload_path)
         except Exception as e:  # noqa: BLE001 - CacheError for another model, a corrupt file ...
             refuse(name, str(e))
             continue
@@ -151,12 +180,19 @@ def rung_of(ladder, cache) -> int | None:
     """The rung whose policy builds the same layers as the one ``cache`` holds (names aside), or None."""
     def form(policy):
         try:
-            return type(cache).layer_policies(policy, cache.model)
+            return [_pathless(layer) for layer in type(cache).layer_policies(policy, cache.model)]
         except Exception:  # noqa: BLE001 - a policy that cannot be resolved for this model matches nothing
             return None
 
     mine = form(cache.policy)
     return next((r for r, p in enumerate(ladder) if p == cache.policy or (mine is not None and form(p) == mine)), None)
+
+
+def _pathless(layer):
+    """A layer policy without its disk path: where the files go is not the form of the layer."""
+    if layer.offload is None or layer.offload.path is None:
+        return layer
+    return dataclasses.replace(layer, offload=dataclasses.replace(layer.offload, path=None))
 
 
 def _check(ids, seen: int, vocab_size) -> str | None:
