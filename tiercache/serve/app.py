@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (each with ``stream: true``:
 server-sent events in OpenAI's chunk format, ending ``data: [DONE]``), ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. With ``api_key``, every ``/v1``
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, ``GET /openapi.json`` (``openapi``: the
+request and response bodies, built from the parser's field tables). With ``api_key``, every ``/v1``
 route needs ``Authorization: Bearer <api_key>`` (401 ``invalid_api_key`` otherwise);
 ``/health`` and ``/metrics`` stay open (probes and scrapers).
 
@@ -36,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tiercache.serve.errors import APIError, internal_error
+from tiercache.serve.openapi import document
 from tiercache.serve.protocol import check_vocabulary, parse_chat, parse_completion
 from tiercache.serve.responses import Choice, Shape, fingerprint, summed_usage
 
@@ -131,6 +133,12 @@ def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY,
     @app.exception_handler(Exception)
     async def _crash(request, exc):
         return _error_response(internal_error(exc))  # the id only: the traceback goes to the log
+
+    schema = document(worker.model_name)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json():
+        return schema
 
     @app.get("/health")
     async def health():
