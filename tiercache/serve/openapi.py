@@ -190,6 +190,13 @@ def _errors(*codes: int) -> dict:
     return {str(c): {"description": why[c], "content": {"application/json": {"schema": _ref("Error")}}} for c in codes}
 
 
+def _event(chunk: str) -> dict:
+    """One server-sent event (OpenAPI 3.1: the ``schema`` of an event stream describes each event)."""
+    return {"type": "object", "required": ["data"], "properties": {"data": {
+        "type": "string", "description": f"a {chunk} object as JSON (an error event: an Error object), or the "
+                                         "final [DONE]"}}}
+
+
 def _generation(request: str, answer: str, chunk: str, summary: str) -> dict:
     return {"post": {
         "summary": summary, "security": [{}, {"bearer": []}],
@@ -198,7 +205,7 @@ def _generation(request: str, answer: str, chunk: str, summary: str) -> dict:
             "200": {"description": "the answer; with stream: true, server-sent events of " + chunk +
                                    " objects (data: lines) ending data: [DONE]",
                     "content": {"application/json": {"schema": _ref(answer)},
-                                "text/event-stream": {"schema": {"type": "string"}}}},
+                                "text/event-stream": {"schema": _event(chunk)}}},
             **_errors(400, 401, 404, 413, 429, 500, 503, 504)}}}
 
 
