@@ -38,7 +38,7 @@ def test_continuing_a_loaded_cache_is_bit_identical(family, name, tmp_path):
     cache = filled(model, _policy(name, tmp_path), ids)
     path = tmp_path / "c.safetensors"
     cache.save(path, token_ids=ids[0])
-    loaded = TieredCache.load(path, model.config)
+    loaded = TieredCache.load(path, model.config, offload_path=tmp_path / "tier")  # disk tiers: where they were
     assert loaded.token_ids == ids[0].tolist() and loaded.get_seq_length() == 29
     assert loaded.policy == cache.policy
     assert [a.nbytes() for a in loaded.layers] == [b.nbytes() for b in cache.layers]

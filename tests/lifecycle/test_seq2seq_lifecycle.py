@@ -92,7 +92,7 @@ def test_continuing_a_loaded_encoder_decoder_cache_is_bit_identical(name, policy
     _steps(model, cache, enc, first)
     path = tmp_path / "ed.safetensors"
     cache.save(path, token_ids=first)
-    loaded = TieredEncoderDecoderCache.load(path, model.config)
+    loaded = TieredEncoderDecoderCache.load(path, model.config, offload_path=tmp_path / "tier")  # where it was
     assert type(loaded) is TieredEncoderDecoderCache and loaded.token_ids == first.tolist()
     assert loaded.is_updated == cache.is_updated == {0: True, 1: True, 2: True}
     assert _layer_policies(loaded) == _layer_policies(cache)

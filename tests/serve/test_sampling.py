@@ -62,6 +62,16 @@ def test_penalties_and_bias_follow_openais_formula():
     assert len(set(counts.nonzero().flatten().tolist())) > 1  # the penalties moved greedy off one token
 
 
+@pytest.mark.parametrize("limit", [{"temperature": 1e-300}, {"temperature": 5e-324}, {"top_p": 5e-324},
+                                   {"top_p": 1e-300, "temperature": 2.0}])
+def test_a_vanishing_temperature_or_top_p_is_the_greedy_limit(limit):
+    # logits / 1e-300 overflow to inf (softmax: NaN) and a top_p under float32's smallest number kept
+    # no token at all: both were a 500 (found by schemathesis); their limit is the argmax
+    row = logits_row(2)
+    s = Sampler(request(seed=1, **limit), ByteCodec, "cpu")
+    assert [s.pick(row) for _ in range(5)] == [int(torch.argmax(row))] * 5
+
+
 def test_logit_bias_bans_and_forces():
     row = logits_row(1)
     top = int(torch.argmax(row))
@@ -276,7 +286,8 @@ def test_a_failed_fork_or_choice_fails_the_request_and_returns_every_reservation
         ids = list(range(60, 90))
         req = parse_completion({"model": "m", "prompt": ids, "max_tokens": 30, "n": 3, "temperature": 0})
         events, job = events_of(w, req)
-        assert events[-1][0] == "error" and "injected fork fault" in events[-1][1]["error"].message
+        message = events[-1][1]["error"].message  # (the fault's text is in the server's log, not the answer)
+        assert events[-1][0] == "error" and "internal error (id " in message and "injected" not in message
         job.cancel()  # what the app does on an error: the other choices stop
         wait_idle(w)
         assert not any(store.stats()["reserved"].values())

@@ -296,13 +296,13 @@ class TieredCache(HybridStates, Cache):
         save(self, path, token_ids)
 
     @classmethod
-    def load(cls, path, model_config, *, policy=None, device=None) -> "TieredCache":
-        """A cache saved by ``save``, for this model; ``policy=`` re-tiers it on the way in,
-        ``device=`` sets the compute device (default: the one it was saved from)."""
+    def load(cls, path, model_config, *, policy=None, device=None, offload_path=None, max_bytes=None):
+        """A save for this model (``tiercache.lifecycle.persist``); ``policy=`` re-tiers it on the way in,
+        ``device=`` the compute device, ``offload_path=`` / ``max_bytes=``: ``lifecycle.bounds``."""
         from tiercache.lifecycle import persist, retier
 
-        return retier.retiered(persist.load(cls, path, spec_of(model_config), model_type_of(model_config), device),
-                               policy)
+        return retier.retiered(persist.load(cls, path, spec_of(model_config), model_type_of(model_config), device,
+                                            offload_path=offload_path, max_bytes=max_bytes), policy)
 
     def shared_buffers(self) -> list[torch.Tensor]:
         """The tensors behind ``shared_nbytes()`` (e.g. for ``tiercache.lifecycle.AllocationMeter``)."""
@@ -369,13 +369,13 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
         save(self.self_attention_cache, path, token_ids, self.cross_attention_cache, self.is_updated)
 
     @classmethod
-    def load(cls, path, model_config, *, policy=None, device=None) -> "TieredEncoderDecoderCache":
-        """An encoder-decoder save, for this model; ``policy=`` / ``device=`` as ``TieredCache.load``."""
+    def load(cls, path, model_config, *, policy=None, device=None, offload_path=None, max_bytes=None):
+        """An encoder-decoder save, for this model; the keywords as ``TieredCache.load``."""
         from tiercache.lifecycle import persist, retier
 
         check_supported(model_config)
         this, cross, flags = persist.load(TieredCache, path, spec_of(model_config), model_type_of(model_config),
-                                          device, CrossAttentionCache)
+                                          device, CrossAttentionCache, offload_path, max_bytes)
         cache = cls(this, cross)
         cache.is_updated = flags
         return retier.retiered(cache, policy)

@@ -12,13 +12,15 @@ Interface (tiny on purpose)
 ``ComputeTier`` allocates beside the model (its device comes from the first update).
 ``HostTier`` keeps tensors in CPU memory, pinned when the device runtime
 (``tiercache.offload.runtime``: CUDA, or the simulated device) has pinned memory and it is asked for.
-The disk tier lives with the offload processor (``tiercache.offload.disk``).
+The disk tier lives with the offload processor (``tiercache.offload.disk``). Every tier charges
+an allocation to ``tiercache.layers.allowance`` before making it (a bounded ``load``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from tiercache.layers import allowance
 from tiercache.offload import runtime
 
 
@@ -33,6 +35,7 @@ class ComputeTier:
     kind = "device"
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        allowance.charge(shape, dtype)
         return torch.empty(shape, dtype=dtype, device=device)
 
     def place(self, device: torch.device) -> str:
@@ -54,6 +57,7 @@ class HostTier:
         self.pin = bool(pin) and runtime.current().can_pin()
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        allowance.charge(shape, dtype)
         return runtime.current().host_empty(shape, dtype, self.pin)  # pinned memory: the device runtime's
 
     def place(self, device: torch.device) -> str:

@@ -17,12 +17,23 @@ tensors named ``cross_attention.layers.{i}.``; each half is rebuilt by its own c
 one kind as the other is a ``CacheError`` naming both.
 So a saved int4 cache takes about its ``nbytes()`` on disk (without the shared workspace).
 
-Safe: the file is written under a temporary name in the same directory, fsync-ed, then renamed
+Atomic: the file is written under a temporary name in the same directory, fsync-ed, then renamed
 over ``path`` (and the directory fsync-ed): a crash or kill during ``save`` leaves the previous
 save whole. ``load`` checks the format and version, the fingerprint against the model (naming
 the field that differs) and every tensor's sha256; any problem (missing, truncated, corrupted
 file, other model, unknown version) is a ``CacheError`` and no cache is returned (the one being
 built is closed). Nothing is unpickled: tensors are raw bytes, the rest is JSON.
+
+What a file cannot make ``load`` do (``tiercache.lifecycle.bounds``): create files outside a
+directory of the disk tier's own under the system temp directory (a saved ``offload.path`` is
+replaced by the caller's ``offload_path``, default none); allocate more than ``max_bytes`` in all
+(default ``bounds.max_bytes_for``: 64 times the file's size plus one chunk of room per layer),
+counted by every tier before it allocates (``tiercache.layers.allowance``), with a growable
+buffer's saved spare room bounded by the tokens it holds. What it does not check: that the
+tensors are the K/V of the saved tokens (a sha256 in the header proves only that the file is
+whole, not who wrote it), nor ``token_ids`` beyond their count. Load only files you trust to be
+what they say; a file from elsewhere can give wrong answers, never a write or an allocation
+outside these bounds.
 Tensors are written one at a time (two passes: hash, then write), so saving needs no second
 copy of the cache in memory; loading reads and loads one layer at a time.
 """
@@ -38,6 +49,8 @@ import torch
 
 from tiercache.errors import CacheError, PolicyError
 from tiercache.offload.runtime import canonical_device
+from tiercache.layers import allowance
+from tiercache.lifecycle import bounds
 from tiercache.policy.schema import Policy
 
 FORMAT, VERSION = "tiercache-cache", 1
@@ -93,10 +106,13 @@ def _half(cache, prefix: str, tensors: dict) -> dict:
     return {"policy": cache.policy.to_dict(), "seen": _seen(cache), "layers": layers}
 
 
-def load(cls, path, model, model_type: str | None, device=None, cross_cls=None):
+def load(cls, path, model, model_type: str | None, device=None, cross_cls=None, offload_path=None, max_bytes=None):
     """``device``: the compute device to load onto (default: the one it was saved from).
     ``cross_cls`` given: an encoder-decoder save is expected and ``(self_attention, cross_attention,
-    is_updated)`` come back, the cross half built by ``cross_cls`` (its own layer policies)."""
+    is_updated)`` come back, the cross half built by ``cross_cls`` (its own layer policies).
+    ``offload_path``: where disk tiers put their files (default: the system temp directory; the
+    path in the file is never used). ``max_bytes``: the most the load may allocate (default:
+    ``bounds.max_bytes_for(file size, model)``)."""
     path = os.fspath(path)
     if device is not None:
         try:
@@ -105,17 +121,23 @@ def load(cls, path, model, model_type: str | None, device=None, cross_cls=None):
             raise CacheError(f"load: device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from e
     if not os.path.isfile(path):
         raise CacheError(f"load: no saved cache at {path!r}" + (" (a directory)" if os.path.isdir(path) else ""))
+    if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
+        raise CacheError(f"load: max_bytes must be an int >= 0 (bytes), got {max_bytes!r}")
+    limit = bounds.max_bytes_for(os.path.getsize(path), model) if max_bytes is None else max_bytes
     from safetensors import safe_open
 
     built = []
+    hint = ("the header asks for more than the file holds (a corrupted or foreign save?); a cache that "
+            "preallocates (storage: static) loads with max_bytes= set to what it needs")
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework="pt") as f, allowance.within(limit, "load", hint):
             header = _header(f.metadata(), path)
             _check_kind(header, cross_cls is not None, path)
             _check_model(header["model"], fingerprint(model, model_type), path)
             halves = [(cls, "", header)] + ([(cross_cls, f"{CROSS}.", header[CROSS])] if cross_cls else [])
             for kind, prefix, entry in halves:
-                built.append(_load_half(kind, f, entry, prefix, header["sha256"], model, model_type, path, device))
+                built.append(_load_half(kind, f, entry, prefix, header["sha256"], model, model_type, path, device,
+                                        offload_path))
     except BaseException as e:
         for cache in built:
             cache.close()
@@ -130,12 +152,14 @@ def load(cls, path, model, model_type: str | None, device=None, cross_cls=None):
     return built[0], built[1], {i: bool(x) for i, x in enumerate(flags)}
 
 
-def _load_half(cls, f, entry: dict, prefix: str, sums: dict, model, model_type, path: str, device):
+def _load_half(cls, f, entry: dict, prefix: str, sums: dict, model, model_type, path: str, device, offload_path):
+    if not isinstance(entry, dict):
+        raise CacheError(f"load: {path!r}: the header's {prefix or 'cache'} entry is not an object (corrupted save)")
     for key in ("policy", "layers", "seen"):
         if key not in entry:
             raise CacheError(f"load: {path!r}: the header lacks {prefix}{key!r} (corrupted save)")
     try:
-        policy = Policy.from_dict(entry["policy"])
+        policy = Policy.from_dict(bounds.confine_offload(entry["policy"], offload_path))
     except PolicyError as e:
         raise CacheError(f"load: {path!r}: the saved {prefix}policy is invalid: {e}") from e
     try:
@@ -157,7 +181,8 @@ def _header(metadata, path: str) -> dict:
     except (KeyError, TypeError, ValueError) as e:
         raise CacheError(f"load: {path!r} has no tiercache header: not a cache saved by tiercache") from e
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise CacheError(f"load: {path!r} is not a tiercache cache save (format {header.get('format')!r})")
+        got = header.get("format") if isinstance(header, dict) else type(header).__name__
+        raise CacheError(f"load: {path!r} is not a tiercache cache save (format {got!r})")
     if header.get("format_version") != VERSION:
         raise CacheError(f"load: {path!r} has format_version {header.get('format_version')!r}; this tiercache "
                          f"reads version {VERSION} (saved by tiercache {header.get('tiercache_version')!r})")
@@ -220,6 +245,7 @@ def _load_layers(cache, f, header: dict, sums: dict, prefix: str, path: str, dev
             if _sha256(t) != sums.get(name):
                 raise CacheError(f"load: {path!r}: tensor {name} fails its sha256 check (corrupted save)")
             sd[key] = t
+        sd = bounds.spare_room(sd)
         try:
             layer.load_state_dict(sd)
         except CacheError as e:

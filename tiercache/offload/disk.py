@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from tiercache.errors import CacheError
+from tiercache.layers import allowance
 
 
 def _remove_dir(path: str) -> None:
@@ -51,6 +52,7 @@ class DiskTier:
         for s in shape:
             numel *= int(s)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        allowance.charge(shape, dtype)  # a bounded load: refused before any file is made
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         name = None

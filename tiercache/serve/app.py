@@ -3,7 +3,8 @@ tenants=None) -> FastAPI``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (each with ``stream: true``:
 server-sent events in OpenAI's chunk format, ending ``data: [DONE]``), ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. With ``api_key`` (one tenant) or
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, ``GET /openapi.json`` (``openapi``: the
+request and response bodies, built from the parser's field tables). With ``api_key`` (one tenant) or
 ``tenants`` (``serve.tenants.Tenants``: several, each with its keys), every ``/v1`` route needs
 ``Authorization: Bearer <key>`` (401 ``invalid_api_key`` otherwise); ``/health`` and ``/metrics``
 stay open (probes and scrapers). The key's tenant goes with the request (``Request.tenant``): the
@@ -15,7 +16,8 @@ waits for every choice; a stream interleaves their chunks, each with its ``index
 Every refusal is OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for a
 malformed body (not UTF-8, not JSON, NaN/Infinity, not an object) and bad fields (``protocol``),
 404 for an unknown model or route, 405 for a wrong method, 413 for a body over ``max_body``
-bytes, 429 (``Retry-After``) when the worker's queue is full, 500 when generation fails, 504 on
+bytes, 429 (``Retry-After``) when the worker's queue is full, 500 when generation fails (the message
+says ``internal error (id ...)``, nothing of the exception; the traceback is logged with that id), 504 on
 the request timeout. Checks run before the request reaches the worker, so a bad request never
 touches a stored cache. An error after a stream has started is sent as one ``data: {"error":
 ...}`` event before ``[DONE]``.
@@ -48,8 +50,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tiercache.serve.errors import APIError
+from tiercache.serve.errors import APIError, internal_error
 from tiercache.serve.lifecycle import Lifecycle, shutting_down
+from tiercache.serve.openapi import document
 from tiercache.serve.protocol import check_vocabulary, parse_chat, parse_completion
 from tiercache.serve.responses import Choice, Shape, fingerprint, summed_usage
 
@@ -189,7 +192,13 @@ def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY,
 
     @app.exception_handler(Exception)
     async def _crash(request, exc):
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+        return _error_response(internal_error(exc))  # the id only: the traceback goes to the log
+
+    schema = document(worker.model_name)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json():
+        return schema
 
     @app.get("/health")
     async def health():

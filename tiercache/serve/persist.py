@@ -23,7 +23,11 @@ file in it, each entry shared (no scope). Each file is itself
 written under a temporary name, fsync-ed and renamed (``TieredCache.save``), so no partial file
 ever carries an entry's name; the temporary files of a killed save are removed by the next save.
 ``$TIERCACHE_TEST_PERSIST_PAUSE`` (seconds, tests only) sleeps after each file: a test can kill
-the process in the middle of a save.
+the process in the middle of a save. Only plain file names
+in ``DIR`` are read: a manifest name that is absolute, holds a separator or ``..``, or is a
+symlink to a file outside ``DIR`` is refused (logged, not loaded, not named again); the files'
+own headers cannot choose where disk tiers write (``TieredCache.load`` puts them under the
+ladder's disk path, the one this server was configured with).
 
 Loading never deletes. A file that fails a check is refused, logged with the reason, and kept: it
 is named again by the next save's manifest (``keep``), so a restart with the wrong ``--model`` or
@@ -38,6 +42,7 @@ LRU line, so the order of use survives the restart; the budget is enforced as ea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -45,6 +50,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import NamedTuple
+
+from tiercache.lifecycle import bounds
 
 log = logging.getLogger("tiercache.serve")
 SUFFIX = ".tiercache"
@@ -63,7 +70,8 @@ def save_entries(store, directory, keep=()) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:12]
     before = {r["file"]: r for r in _records(directory)}  # a kept file keeps its record (its scope)
-    kept = [before.get(name, {"file": name, "tokens": None}) for name in keep if (directory / name).is_file()]
+    kept = [before.get(name, {"file": name, "tokens": None}) for name in keep
+            if _inside(directory, name) and (directory / name).is_file()]
     saved = []
     records = store.records()
     log.info("persist: saving %d entries to %s", len(records), directory)
@@ -128,8 +136,29 @@ def _records(directory: Path) -> list[dict]:
         return []
 
 
+def _inside(directory: Path, name) -> bool:
+    """``name`` is a plain file name whose file (symlinks followed) lies in ``directory``."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or os.sep in name \
+            or (os.altsep and os.altsep in name) or "\0" in name:
+        return False
+    try:
+        return (directory / name).resolve().parent == directory.resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        return False
+
+
 def _the_set(directory: Path) -> list[dict]:
-    """Records (``{"file", ...}``) of the committed set, oldest first."""
+    """Records (``{"file", ...}``) of the committed set, oldest first; names that leave ``directory``
+    are dropped (logged)."""
+    records = _named(directory)
+    for r in records:
+        if not _inside(directory, r["file"]):
+            log.error("persist: refusing the name %r in %s: not a file of that directory (an absolute path, "
+                      "'..', a separator or a symlink out); not loaded, not named again", r["file"], directory)
+    return [r for r in records if _inside(directory, r["file"])]
+
+
+def _named(directory: Path) -> list[dict]:
     path = directory / MANIFEST
     loose = [{"file": name} for name in sorted(p.name for p in directory.glob(f"*{SUFFIX}"))]
     if not path.is_file():
@@ -139,7 +168,7 @@ def _the_set(directory: Path) -> list[dict]:
         if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
             raise ValueError(f"format {manifest.get('format')!r} version {manifest.get('version')!r}, "
                              f"expected {FORMAT!r} version {VERSION}")
-        records = [{**r, "file": str(r["file"])} for r in manifest["entries"]]
+        records = [dict(r) for r in manifest["entries"]]
         for r in records:
             _scope_of(r)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -147,7 +176,7 @@ def _the_set(directory: Path) -> list[dict]:
                   "scopes were in it)", path, e, SUFFIX, directory)
         return loose
     names = [r["file"] for r in records]
-    stray = sorted({r["file"] for r in loose} - set(names))
+    stray = sorted({r["file"] for r in loose} - {n for n in names if isinstance(n, str)})
     if stray:
         log.warning("persist: %d file(s) in %s belong to no committed set (a save was interrupted): ignored, "
                     "removed by the next save", len(stray), directory)
@@ -162,6 +191,8 @@ def load_entries(store, directory, model_config, vocab_size: int | None = None, 
         directory.mkdir(parents=True, exist_ok=True)
         return Loaded(0, [])
     loaded, refused = 0, []
+    disk = set().union(*(bounds.offload_paths(p.to_dict()) for p in store.ladder))
+    offload_path = next(iter(disk)) if len(disk) == 1 else None  # this server's own disk path (the files' never)
 
     def refuse(name: str, why: str) -> None:
         log.error("persist: refusing %s (kept on disk, not loaded): %s", directory / name, why)
@@ -174,7 +205,7 @@ def load_entries(store, directory, model_config, vocab_size: int | None = None, 
             log.error("persist: %s is named by the manifest but missing", path)
             continue
         try:
-            cache = TieredCache.load(path, model_config, device=device)
+            cache = TieredCache.load(path, model_config, device=device, offload_path=offload_path)
         except Exception as e:  # noqa: BLE001 - CacheError for another model, a corrupt file ...
             refuse(name, str(e))
             continue
@@ -198,12 +229,19 @@ def rung_of(ladder, cache) -> int | None:
     """The rung whose policy builds the same layers as the one ``cache`` holds (names aside), or None."""
     def form(policy):
         try:
-            return type(cache).layer_policies(policy, cache.model)
+            return [_pathless(layer) for layer in type(cache).layer_policies(policy, cache.model)]
         except Exception:  # noqa: BLE001 - a policy that cannot be resolved for this model matches nothing
             return None
 
     mine = form(cache.policy)
     return next((r for r, p in enumerate(ladder) if p == cache.policy or (mine is not None and form(p) == mine)), None)
+
+
+def _pathless(layer):
+    """A layer policy without its disk path: where the files go is not the form of the layer."""
+    if layer.offload is None or layer.offload.path is None:
+        return layer
+    return dataclasses.replace(layer, offload=dataclasses.replace(layer.offload, path=None))
 
 
 def _check(ids, seen: int, vocab_size) -> str | None:

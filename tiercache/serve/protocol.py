@@ -32,6 +32,11 @@ ROLES = ("system", "developer", "user", "assistant")
 DEFAULT_MAX_TOKENS = 256
 MAX_N = 16
 MAX_SALT = 1024
+MAX_STOP = 4  # stop sequences
+MAX_BIAS = 100  # |logit_bias| per token
+# number fields: name -> (default, low, high, low excluded); the OpenAPI schema (``openapi``) reads them too
+NUMBERS = {"temperature": (1.0, 0.0, 2.0, False), "top_p": (1.0, 0.0, 1.0, True),
+           "presence_penalty": (0.0, -2.0, 2.0, False), "frequency_penalty": (0.0, -2.0, 2.0, False)}
 CHAT_FIELDS = allowed("chat")
 COMPLETION_FIELDS = allowed("completion")
 
@@ -123,8 +128,9 @@ def _common(body: dict, kind: str) -> Request:
             raise _bad("stream_options is only allowed with stream: true", "stream_options")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise _bad(f"stop must be a non-empty string or a list of up to 4, got {body.get('stop')!r}", "stop", "invalid_type")
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise _bad(f"stop must be a non-empty string or a list of up to {MAX_STOP}, got {body.get('stop')!r}", "stop",
+                   "invalid_type")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad(f"user must be a string, got {user!r}", "user", "invalid_type")
@@ -134,13 +140,10 @@ def _common(body: dict, kind: str) -> Request:
     if salt is not None and not 1 <= len(salt) <= MAX_SALT:
         raise _bad(f"cache_salt must be a non-empty string of at most {MAX_SALT} characters, got {len(salt)}",
                    "cache_salt")
-    return Request(kind=kind, model=model, max_tokens=_int(body, "max_tokens", 1),
-                   temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                   top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+    numbers = {name: _number(body, name, *bounds) for name, bounds in NUMBERS.items()}
+    return Request(kind=kind, model=model, max_tokens=_int(body, "max_tokens", 1), **numbers,
                    seed=_int(body, "seed"), stop=stop, stream=bool(stream), include_usage=include_usage, user=user,
-                   n=n or 1, presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-                   frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-                   logit_bias=_logit_bias(body.get("logit_bias")), cache_salt=salt)
+                   n=n or 1, logit_bias=_logit_bias(body.get("logit_bias")), cache_salt=salt)
 
 
 def _logit_bias(value) -> dict:
@@ -152,10 +155,10 @@ def _logit_bias(value) -> dict:
         raise _bad(f"logit_bias must be an object of token id -> bias, got {value!r}", "logit_bias", "invalid_type")
     out = {}
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.strip().isdigit()):
+        if not (isinstance(key, str) and key.strip().isascii() and key.strip().isdigit()):
             raise _bad(f"logit_bias key {key!r} is not a token id (a non-negative integer)", "logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise _bad(f"logit_bias[{key!r}] must be a number in [-100, 100], got {bias!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise _bad(f"logit_bias[{key!r}] must be a number in [-{MAX_BIAS}, {MAX_BIAS}], got {bias!r}", "logit_bias")
         out[int(key)] = float(bias)
     return out
 

@@ -9,8 +9,9 @@ What ``pick`` does, in OpenAI's order:
 1. penalties over the tokens this choice has generated so far (the prompt does not count):
    ``logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)``;
 2. ``logit_bias``: ``logit[j] += bias[j]`` (-100 bans a token, +100 all but forces it);
-3. ``temperature == 0``: the argmax; otherwise softmax(logits / temperature), nucleus-filtered by
-   ``top_p``, drawn with this choice's ``torch.Generator``. The generator is seeded from
+3. ``temperature == 0`` (or so small that ``logits / temperature`` overflows): the argmax;
+   otherwise softmax(logits / temperature), nucleus-filtered by ``top_p`` (the most likely token
+   is always kept), drawn with this choice's ``torch.Generator``. The generator is seeded from
    ``(seed, choice)`` (random when ``seed`` is absent): the same seed gives the same answer, and
    the choices of one request differ from each other.
 
@@ -56,6 +57,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """``probs`` [V] with everything outside the smallest set reaching ``top_p`` zeroed."""
     sorted_p, order = torch.sort(probs, descending=True)  # [V]
     keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+    keep[0] = True  # the most likely token always (a top_p under float32's smallest number would keep none)
     return torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
 
 
@@ -88,10 +90,10 @@ class Sampler:
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from ``logits`` [V]; records its log-probabilities when asked for."""
         adjusted = self._adjusted(logits)  # [V]
-        if self.temperature == 0:
-            token = int(torch.argmax(adjusted))
+        probs = None if self.temperature == 0 else torch.softmax(adjusted / self.temperature, dim=-1)  # [V]
+        if probs is None or not bool(torch.isfinite(probs).all()):  # 0, or so small that logits / t overflow:
+            token = int(torch.argmax(adjusted))                          # the greedy limit
         else:
-            probs = torch.softmax(adjusted / self.temperature, dim=-1)  # [V]
             if self.top_p < 1.0:
                 probs = nucleus(probs, self.top_p)
             token = int(torch.multinomial(probs, 1, generator=self.generator))

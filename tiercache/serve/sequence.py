@@ -40,7 +40,7 @@ import time
 import torch
 
 from tiercache.serve.batch import Row
-from tiercache.serve.errors import APIError
+from tiercache.serve.errors import APIError, internal_error
 from tiercache.serve.sampling import Sampler
 from tiercache.serve.text import TextStream
 
@@ -129,7 +129,7 @@ class Sequence:
             try:
                 child._accept(logits)
             except Exception as e:  # noqa: BLE001 - this choice fails (and with it the request)
-                child.stop("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error"))
+                child.stop("error", internal_error(e, "generation failed"))
             self.w.adopt(child)
 
     def _accept(self, logits: torch.Tensor) -> None:

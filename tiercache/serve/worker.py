@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 
 from tiercache.serve.batch import run_rows
-from tiercache.serve.errors import APIError
+from tiercache.serve.errors import APIError, internal_error
 from tiercache.serve.keeper import StoreKeeper
 from tiercache.serve.protocol import DEFAULT_MAX_TOKENS, Request
 from tiercache.serve.sequence import Sequence
@@ -277,7 +277,7 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - the loop must go on
                 log.exception("admitting a request failed")
                 self.counters["failed"] += 1
-                job.emit("error", error=APIError(500, f"could not start: {type(e).__name__}: {e}", code="internal_error"))
+                job.emit("error", error=internal_error(e, "could not start"))
 
     def _admit_one(self, job: Job) -> None:
         """Hand ``job`` to the keeper (with a store), start it (without), or answer it."""
@@ -347,7 +347,7 @@ class Worker:
         if not seq.done:
             if not seq.closing:  # a closing request has its whole answer: only its entry is lost
                 self.counters["failed"] += 1
-            seq.stop("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", code="internal_error"))
+            seq.stop("error", internal_error(e, "generation failed"))
         self._retire(seq)
 
     def _retire(self, seq: Sequence) -> None:

@@ -6,7 +6,8 @@
                                                     secret: bytes, the HMAC key (``remote.secret``)
     fmt.name                                        "fp-float32", "int4-g64-1a2b3c4d": part of every key
     blob = fmt.encode(kv, key)                      kv: per layer ``(k, v)``, each ``[1, H, C, D]``
-    kv = fmt.decode(blob, key, device="cpu")        the same shapes, ``ChunkError`` when anything is off
+    kv = fmt.decode(blob, key, device="cpu", tokens=None)   the same shapes, ``ChunkError`` when anything
+                                                    is off (``tokens``: the chunk length the reader expects)
     fmt.bytes_per_token()                           payload bytes per token (the wire cost, no header)
 
 Blob layout::
@@ -28,8 +29,11 @@ Payload, layer by layer, keys then values: ``raw`` is the tensor's bytes ``[1, H
 travel packed and are dequantized by the reader.
 
 ``decode`` checks, in order: magic, the tag (before anything the blob says is trusted), lengths,
-version, key, format, dtype, tokens, layer shapes, payload length; the first failure is a ``ChunkError`` saying which. A chunk that
-fails is a miss for the caller, never a wrong prefix.
+version, key, format, dtype, tokens (a whole number of blocks, and ``tokens`` when given), layer
+shapes, payload length; the first failure is a ``ChunkError`` saying which. Sizes come from the
+format (the model's shapes) and ``tokens``, and the payload length must match them, so a blob never
+makes ``decode`` allocate more than about twice its own size. A chunk that fails is a miss for the
+caller, never a wrong prefix.
 """
 
 from __future__ import annotations
@@ -130,7 +134,7 @@ class ChunkFormat:
         return hmac.new(self._secret, body, hashlib.sha256).digest()
 
     # -- decode ----------------------------------------------------------------------------------
-    def decode(self, blob: bytes, key: str, device="cpu"):
+    def decode(self, blob: bytes, key: str, device="cpu", tokens: int | None = None):
         if len(blob) < len(MAGIC) + 4 + _DIGEST or blob[:4] != MAGIC:
             raise ChunkError("not a tiercache chunk (bad magic or too short)")
         if not hmac.compare_digest(self._tag(memoryview(blob)[:-_DIGEST]), blob[-_DIGEST:]):
@@ -143,16 +147,21 @@ class ChunkFormat:
             raise ChunkError(f"truncated: header of {n} bytes in a blob of {len(blob)}")
         try:
             header = json.loads(blob[8:start].decode())
-        except (UnicodeDecodeError, ValueError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise ChunkError(f"unreadable header: {e}") from e
-        tokens = header.get("tokens")
+        if not isinstance(header, dict):
+            raise ChunkError(f"the header is a JSON {type(header).__name__}, not an object")
+        want_tokens, tokens = tokens, header.get("tokens")
         expect = {"version": VERSION, "key": key, "format": self.name, "dtype": self.dtype_name, "layers": self.shapes,
                   "mac": self._mac_header().get("mac"), **self.codec_header}
         for field, want in expect.items():
             if header.get(field) != want:
                 raise ChunkError(f"header {field} is {header.get(field)!r}, expected {want!r}")
-        if not isinstance(tokens, int) or tokens < 1:
-            raise ChunkError(f"header tokens is {tokens!r}")
+        g = 1 if self._codecs is None else self._codecs[0][0].g
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1 or tokens % g:
+            raise ChunkError(f"header tokens is {tokens!r}; a chunk holds whole blocks of {g} tokens")
+        if want_tokens is not None and tokens != want_tokens:
+            raise ChunkError(f"header tokens is {tokens}, this reader's chunks hold {want_tokens}")
         size = self.payload_bytes(tokens)
         if header.get("payload") != size or len(blob) - _DIGEST - start != size:
             raise ChunkError(f"payload is {len(blob) - _DIGEST - start} bytes, {size} expected for {tokens} tokens")

@@ -182,7 +182,7 @@ class RemoteTier:
                 self._forget([key])
                 break
             try:
-                kv = self.fmt.decode(blob, key, self.device)
+                kv = self.fmt.decode(blob, key, self.device, self.chunk)
             except ChunkError as e:
                 log.error("remote tier: chunk %d of a %d-chunk prefix refused (%s); using the %d tokens before it",
                           i, len(keys), e, i * self.chunk)
