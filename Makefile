@@ -56,8 +56,9 @@ $(DEVICE_STAMP): $(STAMP)
 
 device-venv: $(DEVICE_STAMP)
 
+# two workers (pytest-xdist), one test file each at a time: many tests wait on servers and processes
 test: kernels $(DEVICE_STAMP) redis-server
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 bench-core: kernels
 	$(PY) bench/bench_core.py

@@ -6,7 +6,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/builders.py: model builders
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# one intra-op thread per worker when pytest-xdist runs two (the machine has two cores)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 @pytest.fixture

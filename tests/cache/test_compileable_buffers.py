@@ -107,12 +107,14 @@ def test_an_eager_update_on_cuda_does_not_sync(name):
     n = len(cache.layers)
     for i in range(n):
         cache.update(*_pair(1, "cuda", seed=i), i)
+    # the inputs are copied to the GPU before the check: a copy from pageable host memory syncs
+    steps = [[_pair(t, "cuda", seed=10 * step + i) for i in range(n)] for step, t in enumerate((37, 1, 1))]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for step, t in enumerate((37, 1, 1)):
-            for i in range(n):
-                cache.update(*_pair(t, "cuda", seed=10 * step + i), i)
+        for pairs in steps:
+            for i, pair in enumerate(pairs):
+                cache.update(*pair, i)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert cache.get_seq_length() == 40
