@@ -99,7 +99,11 @@ if triton is not None:
         q = tl.load(ptr, mask=(offs_m[:, None] < M) & (offs_d[None, :] < D), other=0.0)
         return q.to(tl.float32) * sm_scale
 
-    @triton.jit
+    # Integers that change from step to step (token counts, split sizes, strides of exactly sized
+    # tensors) are not specialized on (Triton keys a compiled variant on each int's == 1 and % 16):
+    # otherwise a decode compiles new variants as the context grows.
+    @triton.jit(do_not_specialize=["N", "n_vis", "skip", "chunk", "splits", "kc_sb", "kc_sh", "ks_sb", "ks_sh",
+                                   "vc_sb", "vc_sh", "vs_sb", "vs_sh", "mk_sb", "mk_sh", "mk_sm"])
     def _split_kernel(q_ptr, kc_ptr, ks_ptr, ko_ptr, vc_ptr, vs_ptr, vo_ptr, mask_ptr, part_out,
                       H, M, L, REP, N, n_vis, skip, chunk, splits, sm_scale,
                       qs_b, qs_h, qs_l, qs_d, kc_sb, kc_sh, kc_sn, ks_sb, ks_sh, ks_sn, vc_sb, vc_sh, vc_sn,
@@ -194,7 +198,10 @@ if triton is not None:
             m_i = m_new
         return m_i, l_i, acc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["L", "splits", "mk_sb", "mk_sh", "mk_sm",
+                                   "n0", "c0", "s0b", "s0h", "s0t", "v0b", "v0h", "v0t",
+                                   "n1", "c1", "s1b", "s1h", "s1t", "v1b", "v1h", "v1t",
+                                   "n2", "c2", "s2b", "s2h", "s2t", "v2b", "v2h", "v2t"])
     def _merge_kernel(q_ptr, part_ptr, mask_ptr, out_ptr,
                       e0k_ptr, e0v_ptr, e1k_ptr, e1v_ptr, e2k_ptr, e2v_ptr,
                       H, M, L, REP, splits, sm_scale, qs_b, qs_h, qs_l, qs_d, os_b, os_h, os_l, mk_sb, mk_sh, mk_sm,
