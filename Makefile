@@ -32,6 +32,10 @@ $(STAMP): pyproject.toml
 kernels: $(STAMP)
 	@$(PY) -m tiercache.cli build-kernels || \
 	  echo "note: the C++ kernels were not built (see above): packed attention on the CPU uses the slower torch path until 'tiercache build-kernels' succeeds"
+	@# optimum-quanto's own CPU extension (QuantizedCache in the tests and benchmarks) builds on first use:
+	@# built here, so no test compiles it (a build killed by a test's timeout would leave its lock behind)
+	@$(PY) -c "from optimum.quanto.library.extensions.cpp import ext; ext.lib" 2>/dev/null || \
+	  echo "note: optimum-quanto's C++ extension was not built here: the first QuantizedCache run builds it"
 
 # the remote tier's tests start a real redis-server (Debian package; installed here when missing and root)
 redis-server:

@@ -158,7 +158,9 @@ def _build_kernels(args) -> int:
     from tiercache.quantize import kernel_build
 
     status = 0
-    for kernel in kernel_build.kernels():
+    from tiercache.quantize import packed_cpu
+
+    for kernel in (packed_cpu.kernel(),):  # every C++ kernel tiercache ships
         if args.check:
             path = kernel_build.locate(kernel)
             print(f"{kernel.name}: {'built in ' + str(path) if path else 'not built (looked for ' + str(kernel_build.root() / kernel_build.key(kernel)) + ')'}")

@@ -277,10 +277,3 @@ def load(kernel: Kernel, lazy: bool | None = None):
                                 f"using the torch reference path (rebuild: remove that directory, then run "
                                 f"`tiercache build-kernels`)")
         return None
-
-
-def kernels() -> list[Kernel]:
-    """Every C++ kernel tiercache ships (what ``tiercache build-kernels`` builds)."""
-    from tiercache.quantize import packed_cpu
-
-    return [packed_cpu.kernel()]

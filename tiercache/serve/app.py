@@ -241,11 +241,11 @@ def create_app(worker, metrics=None, on_shutdown=None, max_body: int = MAX_BODY,
         check_vocabulary(req, worker.codec.vocab_size)
         return req, worker.prepare(req, emit)
 
-    async def _serve(request: Request, parse):
+    async def _serve(request: Request, parse, tenant: str | None = None):
         life.admit()
         raw = await read_body(request, max_body)
         pipe = _Pipe()
-        req, job = await asyncio.to_thread(_prepare, raw, parse, pipe.emit)
+        req, job = await asyncio.to_thread(_prepare, raw, parse, pipe.emit, tenant)
         life.admit()  # a drain that began meanwhile
         worker.submit(job)
         flight = _Flight(life, pipe, job)

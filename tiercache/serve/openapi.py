@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from tiercache import __version__
 from tiercache.serve import fields
-from tiercache.serve.protocol import MAX_BIAS, MAX_N, MAX_STOP, NUMBERS, ROLES
+from tiercache.serve.protocol import MAX_BIAS, MAX_N, MAX_SALT, MAX_STOP, NUMBERS, ROLES
 from tiercache.serve.sampling import MAX_TOP_LOGPROBS
 
 # values a neutral field may be sent at; each field's enum is those its predicate accepts
@@ -82,6 +82,7 @@ def _common(model_name: str | None) -> dict:
                                  "additionalProperties": {"type": "number", "minimum": -MAX_BIAS,
                                                           "maximum": MAX_BIAS}}),
         "user": _nullable({"type": "string"}),
+        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_SALT}),
     }
 
 
