@@ -513,11 +513,11 @@ def test_the_step_goes_on_while_a_store_call_waits(tiny, monkeypatch):
     real = w.store.checkout
     slow_started = threading.Event()
 
-    def slow_checkout(ids):
+    def slow_checkout(ids, **kw):
         if len(ids) == 33:  # the second request's prompt
             slow_started.set()
             threading.Event().wait(1.5)
-        return real(ids)
+        return real(ids, **kw)
 
     monkeypatch.setattr(w.store, "checkout", slow_checkout)
     w.start()
