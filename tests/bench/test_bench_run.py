@@ -161,7 +161,8 @@ def test_timings_are_interleaved_across_setups(monkeypatch):
 
     monkeypatch.setattr(runner, "greedy", spy)
     monkeypatch.setattr(runner, "_footprint", lambda s, m, p, n: {"held_before_decode": 1, "peak": 1})
-    monkeypatch.setattr(runner.quality, "decode_nll", lambda *a, **k: (torch.zeros(4), torch.zeros(4, dtype=torch.long)))
+    monkeypatch.setattr(runner.quality, "decode_logp", lambda *a, **k: torch.zeros(4, model.config.vocab_size))
+    monkeypatch.setattr(runner.quality, "nll_top1", lambda *a, **k: (torch.zeros(4), torch.zeros(4, dtype=torch.long)))
     monkeypatch.setattr(runner, "cache_nbytes", lambda cache: {"cpu": 1})
     made = [setups.Setup(n, "transformers", "-", lambda n=n: Named(n)) for n in ("a", "b", "c")]
     rows = runner.measure_all(made, model, torch.arange(20), 8, 2, None, repeats=3)
