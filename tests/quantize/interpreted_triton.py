@@ -157,4 +157,5 @@ def test_bf16_model(form, calls, monkeypatch):
     for out in got:
         torch.testing.assert_close(out, want, rtol=0, atol=TOL)
     ref = F.scaled_dot_product_attention(query, k.plain().float(), v.plain().float(), enable_gqa=True)
-    torch.testing.assert_close(want, ref, rtol=0, atol=2e-2)  # the reference rounds K/V to bf16
+    # the reference rounds K/V to bf16, the kernels do not (as test_packed_attention's bf16 bound: 3e-2)
+    torch.testing.assert_close(want, ref, rtol=0, atol=3e-2)
