@@ -259,14 +259,7 @@ class Worker:
 
     def _admit(self) -> None:
         """Ready sequences join the batch; queued jobs go to the keeper (or start) while slots are free."""
-        while True:
-            try:
-                seq = self._ready.get_nowait()
-            except queue.Empty:
-                break
-            self._preparing -= 1
-            if seq is not None:
-                self._active.append(seq)
+        self._active.extend(self._take_ready())
         while len(self._active) + self._preparing < self.max_active:
             try:
                 job = self._queue.get_nowait()
@@ -371,6 +364,13 @@ class Worker:
     def _drain_ready(self) -> None:
         """Sequences the keeper prepared that never joined the batch: cancelled, their cache kept."""
         err = APIError(503, "the server is shutting down", code="shutting_down")
+        for seq in self._take_ready():
+            seq.stop("cancelled", err)
+            self.release(seq.job)
+
+    def _take_ready(self):
+        """The sequences the keeper has prepared so far (each no longer counted as preparing); a
+        None it handed back (a request it answered itself) is counted and skipped."""
         while True:
             try:
                 seq = self._ready.get_nowait()
@@ -378,5 +378,4 @@ class Worker:
                 return
             self._preparing -= 1
             if seq is not None:
-                seq.stop("cancelled", err)
-                self.release(seq.job)
+                yield seq
