@@ -2,8 +2,15 @@
 
     build(spec: ChainSpec, shared=None) -> KVLayer      the only constructor of chains
     build_layer(lp, shared, padded=False)               ``build(spec_for(lp, padded), shared)``
-    build_layers(layer_policies) -> (layers, Shared)    one cache's chains and what they share
+    build_layers(layer_policies, compiled=False) -> (layers, Shared)
+                                                        one cache's chains and what they share
     make_storage(window, max_length, tier, chunk, padded)   one storage layer
+
+``compiled``: the cache is a ``CompileableCache`` (one graph per decode step): every layer must
+be resident ``static`` attention storage (``check_compiled``, else ``PolicyError`` naming the
+layer), built padded; a quantized one is a ``StaticQuantized`` (``tiercache.quantize.static_layer``).
+Otherwise the static layers of a cache are padded only when every layer is full-precision
+resident static storage (``compileable``): then the cache is compileable as a whole too.
 
 The chain's shape comes from its ``ChainSpec`` (``tiercache.cache.chainspec``, derived purely from the
 ``LayerPolicy``), from the inside out:
@@ -49,6 +56,7 @@ from tiercache.layers.buffer import CHUNK, capacity_for
 from tiercache.layers.full import FullLayer
 from tiercache.layers.sliding import SlidingLayer
 from tiercache.layers.static import StaticLayer
+from tiercache.errors import PolicyError
 from tiercache.models.spec import INDEXED_TYPES, SIDE_STATE_TYPES
 from tiercache.policy.schema import LayerPolicy
 
@@ -138,9 +146,34 @@ class Shared:
         self._workspaces.clear()
 
 
+def _not_compiled(lp: LayerPolicy) -> str | None:
+    """Why layer ``lp`` cannot be in a cache whose decode step compiles to one graph, or None."""
+    if not lp.attends or lp.states or lp.layer_type in SIDE_STATE_TYPES:
+        return "a compileable cache holds attention K/V only (no recurrent or side state)"
+    if lp.window is not None:
+        return f"sliding window {lp.window}; a compileable cache supports full-attention layers only"
+    if lp.storage != "static" or lp.max_length is None:
+        return f"storage {lp.storage!r}; a compileable cache needs storage: static with max_length"
+    if lp.offload is not None:
+        return "offload; a compileable cache keeps every layer on the compute device (offload: null)"
+    if lp.quantize is not None:
+        from tiercache.quantize.static_layer import supported
+
+        why = supported(lp.quantize)
+        return None if why is None else f"quantize {why} is not supported by the static quantized layer"
+    return None
+
+
 def compileable(lp: LayerPolicy) -> bool:
     """The layer is plain resident static storage (a cache of only those is compileable)."""
-    return lp.attends and not lp.states and lp.layer_type not in SIDE_STATE_TYPES and lp.storage == "static" and lp.window is None and lp.quantize is None and lp.offload is None
+    return lp.quantize is None and _not_compiled(lp) is None
+
+
+def check_compiled(lp: LayerPolicy) -> None:
+    """``PolicyError`` unless ``lp`` can be a layer of a ``CompileableCache`` (module docstring)."""
+    why = "a compileable cache holds no KV sharing" if lp.kv_sharing is not None else _not_compiled(lp)
+    if why is not None:
+        raise PolicyError(f"layer {lp.index} ({lp.layer_type}): {why}")
 
 
 def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
@@ -152,7 +185,13 @@ def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
     def storage(tier=None) -> KVLayer:
         return make_storage(st.window, st.max_length, tier, st.chunk, st.padded, st.geometric)
 
-    if spec.offload is None:
+    if spec.quantize is not None and st.padded:  # only in a compiled cache (check_compiled)
+        from tiercache.quantize.blocks import Codec
+        from tiercache.quantize.static_layer import StaticQuantized
+
+        q = spec.quantize
+        layer = StaticQuantized(Codec(q.codec), q.residual_length, q.max_length)
+    elif spec.offload is None:
         layer = storage()
     else:
         from tiercache.offload.processor import offloaded
@@ -160,7 +199,7 @@ def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
         prefetcher = (shared if shared is not None else Shared()).prefetcher
         layer = offloaded(storage, spec.offload, prefetcher, spec.index,
                           owned_outputs=spec.owned_outputs and spec.quantize is None)
-    if spec.quantize is not None:
+    if spec.quantize is not None and not st.padded:
         from tiercache.quantize.blocks import Codec
         from tiercache.quantize.processor import Quantize
 
@@ -204,7 +243,11 @@ def _side_state_layer(lp: LayerPolicy, attention: KVLayer) -> KVLayer:
     return layer
 
 
-def build_layers(layer_policies: list[LayerPolicy]) -> tuple[list[KVLayer], Shared]:
+def build_layers(layer_policies: list[LayerPolicy], compiled: bool = False) -> tuple[list[KVLayer], Shared]:
+    """Every layer's chain; ``compiled``: checked and built as the module docstring says."""
+    if compiled:
+        for lp in layer_policies:
+            check_compiled(lp)
     shared = Shared()
-    padded = bool(layer_policies) and all(compileable(lp) for lp in layer_policies)
+    padded = compiled or (bool(layer_policies) and all(compileable(lp) for lp in layer_policies))
     return [build_layer(lp, shared, padded) for lp in layer_policies], shared

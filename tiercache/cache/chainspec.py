@@ -19,7 +19,8 @@
         ``kind`` full | static | sliding; ``window`` (sliding) and ``max_length`` (static) in the
         store's units: tokens, or packed blocks (rows) under Quantize; ``chunk``: capacity a
         growable store adds at a time; ``padded``: a static store returns all its slots (only
-        in a cache that is compileable as a whole); ``geometric``: a full store regrows on
+        in a cache that is compileable as a whole; under quantize, the layer is then a
+        ``StaticQuantized``); ``geometric``: a full store regrows on
         ``grown_capacity``'s ladder (full precision; a quantized store grows exactly, a row
         at a time). ``capacity(appended, step)``: what it allocates (``layers/capacity.py``).
     QuantizeSpec(codec, residual_length, sink_tokens, window, max_length)

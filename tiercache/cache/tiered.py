@@ -51,6 +51,8 @@ AUTO_CONTEXT = 4096  # tokens an auto policy is planned for when neither context
 
 
 class TieredCache(HybridStates, Cache):
+    compiled = False  # the chain builder's mode for this class (``CompileableCache``: True)
+
     def __init__(self, layers: list[KVLayer], policy: Policy, model: ModelSpec, shared=None,
                  model_type: str | None = None):
         super().__init__(layers=layers)
@@ -65,7 +67,7 @@ class TieredCache(HybridStates, Cache):
     @classmethod
     def _build(cls, policy: Policy, model: ModelSpec, model_type: str | None = None) -> "TieredCache":
         """An empty cache of a concrete (not ``auto``) policy: the chain builder is the only constructor."""
-        layers, shared = build_layers(cls.layer_policies(policy, model))
+        layers, shared = build_layers(cls.layer_policies(policy, model), cls.compiled)
         return cls(layers, policy, model, shared, model_type)
 
     @classmethod
@@ -130,6 +132,8 @@ class TieredCache(HybridStates, Cache):
 
     # -- the write path --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if torch.compiler.is_compiling():  # compileable: checked eagerly at the prefill, shapes fixed in the graph
+            return self.layers[layer_idx].append(key_states, value_states)
         self._layer(layer_idx)
         self._reuse.check_update(layer_idx)
         self._on(layer_idx, lambda layer: check_update(layer, key_states, value_states, model=True))

@@ -10,10 +10,17 @@ sliding, offloaded or quantized ones builds them with ``padded=False``: they ret
 held tokens (mask sizes as ``full``), still from the preallocated buffer, and are not
 compileable. An update that would pass ``max_length`` raises ``CacheError`` and writes nothing.
 
-A padded layer's buffers (K, V, position) are marked static for dynamo (``mark_static_address``,
-``mark_static``), as transformers' ``StaticCache`` does: their addresses never change, so a
-``reduce-overhead`` compile captures CUDA graphs over them instead of copying them in per call.
-An eager update reads nothing back from the device (the room check uses the host count).
+Token count (``length``): under ``torch.compile`` the device position itself (a host int would
+make dynamo guard on it and recompile every token); eagerly a host count that eager writes keep,
+so an eager update never reads the device. A compiled step only marks that count stale (an
+attribute store, replayed after the graph: no guard); the next eager read takes the device
+position once (``_sync``: one read after a run of compiled steps).
+
+A padded layer's buffers (``_buffers()``, and the position) are marked static for dynamo
+(``mark_static_address``), as transformers' ``StaticCache`` does: their addresses never change,
+so a ``reduce-overhead`` compile captures CUDA graphs over them instead of copying them in per
+call. ``StaticQuantized`` (``tiercache.quantize.static_layer``) is this layer with packed buffers:
+it shares the count, the batch operations and the accounting.
 """
 
 from __future__ import annotations
@@ -36,21 +43,46 @@ def mark_static(*tensors: torch.Tensor) -> None:
 
 
 class StaticLayer(KVLayer):
+    kind = "static"  # what its state dict says it is
+
     def __init__(self, max_length: int, tier=None, padded: bool = True):
         if not isinstance(max_length, int) or max_length < 1:
             raise CacheError(f"static storage needs max_length >= 1, got {max_length!r}")
-        self.limit = max_length
+        self.limit = self.slots = max_length  # slots: what a padded update returns
         self.padded = bool(padded)
         self.tier = tier or ComputeTier()
         self.spec: KVSpec | None = None
         self.k: torch.Tensor | None = None  # [B, H, max_length, Dk]
         self.v: torch.Tensor | None = None  # [B, H, max_length, Dv]
         self.position: torch.Tensor | None = None  # [] int64 on the device: next write index
-        self.length = 0  # host mirror of position, for checks
+        self._count, self._stale = 0, False  # host view of position (module docstring)
 
     @property
     def is_compileable(self) -> bool:
         return self.padded
+
+    @property
+    def length(self):
+        """Tokens held (module docstring): a tensor under ``torch.compile``, else an int."""
+        if self.position is None:
+            return 0
+        if torch.compiler.is_compiling():
+            return self.position.clone()  # a copy: += on it
+        self._sync()
+        return self._count
+
+    @length.setter
+    def length(self, value) -> None:
+        # every writer of ``length`` has moved ``position`` to the same count
+        if torch.compiler.is_compiling():
+            self._stale = True
+        else:
+            self._count, self._stale = value, False
+
+    def _sync(self) -> None:
+        """After compiled steps: the device position into the host count (one read)."""
+        if self._stale:
+            self._count, self._stale = int(self.position), False
 
     def layout(self):
         return self.spec
@@ -72,7 +104,7 @@ class StaticLayer(KVLayer):
         return self.length
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.limit, 0) if self.padded else (self.length + query_length, 0)
+        return (self.slots, 0) if self.padded else (self.length + query_length, 0)
 
     def max_length(self) -> int:
         return self.limit
@@ -84,11 +116,10 @@ class StaticLayer(KVLayer):
             self.length -= n
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
-        if self.spec is None:
-            return
-        idx = check_batch_indices(beam_idx, self.spec.batch, "reorder").to(self.k.device)
-        self.k.copy_(self.k.index_select(0, idx))
-        self.v.copy_(self.v.index_select(0, idx))
+        if self.spec is not None:
+            idx = check_batch_indices(beam_idx, self.spec.batch, "reorder").to(self.position.device)
+            for buf in self._buffers():
+                buf.copy_(buf.index_select(0, idx))
 
     def select(self, indices: torch.Tensor) -> None:
         if self.spec is not None:
@@ -100,11 +131,11 @@ class StaticLayer(KVLayer):
             self._regather(torch.arange(self.spec.batch).repeat_interleave(repeats))
 
     def reset(self) -> None:
-        if self.k is not None:
-            self.tier.free(self.k)
-            self.tier.free(self.v)
+        if self.spec is not None:
+            for buf in self._buffers():
+                self.tier.free(buf)
         self.spec = self.k = self.v = self.position = None
-        self.length = 0
+        self._count, self._stale = 0, False
 
     def close(self) -> None:
         self.reset()
@@ -125,10 +156,9 @@ class StaticLayer(KVLayer):
         return self.spec is not None
 
     def nbytes(self) -> dict[str, int]:
-        if self.k is None:
+        if self.spec is None:
             return {}
-        size = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-        return {self.tier.place(self.spec.device): size}
+        return {self.tier.place(self.spec.device): sum(t.numel() * t.element_size() for t in self._buffers())}
 
     def tier_nbytes(self) -> dict[str, int]:
         return {self.tier.kind: n for n in self.nbytes().values()}
@@ -138,20 +168,18 @@ class StaticLayer(KVLayer):
 
     def state_dict(self) -> dict:
         if self.spec is None:
-            return {"kind": "static", "spec": None}
-        return {"kind": "static", "spec": spec_state(self.spec), "length": self.length,
-                "keys": self.k[:, :, : self.length], "values": self.v[:, :, : self.length]}
+            return {"kind": self.kind, "spec": None}
+        return {"kind": self.kind, "spec": spec_state(self.spec), "length": self.length, **self._held()}
 
     def load_state_dict(self, sd: dict) -> None:
-        expect(sd, "static")
+        expect(sd, self.kind)
         spec = spec_from(sd.get("spec"))
         if spec is None:
             self.reset()
             return
-        length = field(sd, "length", "static")
-        k, v = held_pair(sd, spec, length, "static")
+        length = field(sd, "length", self.kind)
         self._room(length)
-        self._fill(spec, k, v)
+        self._load(spec, length, sd)
 
     def export(self):
         if self.spec is None:
@@ -160,7 +188,7 @@ class StaticLayer(KVLayer):
         return k, v, self.length
 
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
-        spec = check_ingest(key, value, seen, "static", whole=True)
+        spec = check_ingest(key, value, seen, self.kind, whole=True)
         self._room(seen)
         self._fill(spec, key, value)
 
@@ -168,6 +196,17 @@ class StaticLayer(KVLayer):
         if tokens > self.limit:
             raise CacheError(f"static storage holds at most max_length={self.limit} tokens, cannot take {tokens}; "
                              "raise max_length in the policy or use storage: full")
+
+    # -- buffers (what StaticQuantized replaces) --------------------------------------------------
+    def _buffers(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
+    def _held(self) -> dict:
+        """The tensors of the state dict: views of the held tokens."""
+        return {"keys": self.k[:, :, : self.length], "values": self.v[:, :, : self.length]}
+
+    def _load(self, spec: KVSpec, length: int, sd: dict) -> None:
+        self._fill(spec, *held_pair(sd, spec, length, self.kind))
 
     def _fill(self, spec: KVSpec, key: torch.Tensor, value: torch.Tensor) -> None:
         self.reset()
@@ -178,37 +217,45 @@ class StaticLayer(KVLayer):
         self.position.fill_(n)
         self.length = n
 
+    def _shapes(self, s: KVSpec) -> list[tuple[tuple, torch.dtype]]:
+        """(shape, dtype) of each buffer of ``_buffers()`` for ``s``."""
+        return [((s.batch, s.heads, self.limit, s.key_dim), s.dtype), ((s.batch, s.heads, self.limit, s.value_dim), s.dtype)]
+
+    def _set_buffers(self, bufs: list[torch.Tensor]) -> None:
+        self.k, self.v = bufs
+
     def _allocate(self, spec: KVSpec) -> None:
-        s = spec
-        keys = None
+        """Zeroed buffers for ``spec`` and a zero position; a failure leaves the layer as it was."""
+        s, bufs = spec, []
         try:
-            keys = self.tier.empty((s.batch, s.heads, self.limit, s.key_dim), s.dtype, s.device)
-            values = self.tier.empty((s.batch, s.heads, self.limit, s.value_dim), s.dtype, s.device)
+            for shape, dtype in self._shapes(s):
+                bufs.append(self.tier.empty(shape, dtype, s.device))
         except Exception as e:
-            if keys is not None:
-                self.tier.free(keys)
+            for buf in bufs:
+                self.tier.free(buf)
             if isinstance(e, RuntimeError):  # out of memory (torch.OutOfMemoryError is one), too large
-                size = s.batch * s.heads * self.limit * (s.key_dim + s.value_dim) * torch.empty((), dtype=s.dtype).element_size()
+                size = sum(torch.Size(shape).numel() * torch.empty((), dtype=d).element_size() for shape, d in self._shapes(s))
                 raise CacheError(
-                    f"static storage: cannot allocate max_length={self.limit} tokens ({size} bytes for batch "
+                    f"{self.kind} storage: cannot allocate max_length={self.limit} tokens ({size} bytes for batch "
                     f"{s.batch}, {s.heads} kv heads) on {s.device}: {str(e).splitlines()[0]}; lower max_length "
                     "or use storage: full"
                 ) from e
             raise
-        # assigned only once both allocations succeeded: a failure leaves the layer as it was
-        self.k, self.v = keys.zero_(), values.zero_()
+        self._set_buffers([buf.zero_() for buf in bufs])
         self.position = torch.zeros((), dtype=torch.long, device=s.device)
+        self._count, self._stale = 0, False
         if self.padded:
-            mark_static(self.k, self.v, self.position)
+            mark_static(*self._buffers(), self.position)
         self.spec = spec
 
     def _regather(self, index: torch.Tensor) -> None:
-        index = index.to(self.k.device)
-        keys, values = self.k.index_select(0, index), self.v.index_select(0, index)
-        position, length = self.position, self.length
+        """Keep batch rows ``index`` (select, repeat_interleave): new buffers (the batch changes)."""
+        count = self.length
+        held = [t.index_select(0, index.to(t.device)) for t in self._buffers()]
+        spec = self.spec.with_batch(index.numel())
         self.reset()
-        self._allocate(KVSpec.of(keys, values))
-        self.k.copy_(keys)
-        self.v.copy_(values)
-        self.position.copy_(position)
-        self.length = length
+        self._allocate(spec)
+        for buf, t in zip(self._buffers(), held):
+            buf.copy_(t)
+        self.position.fill_(count)
+        self.length = count

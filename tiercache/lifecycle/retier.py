@@ -23,8 +23,11 @@ cache, ``TieredEncoderDecoderCache.retier``). Each cache says which layer polici
 (``cache.layer_policies(policy, model)``: ``policy.resolve`` for a TieredCache, the policy's
 ``cross_attention`` section for a cross-attention half), so cross-attention layers stay such.
 
+A ``CompileableCache`` stays one: its new layers are the compiled kinds of the new policy.
+
 Refused before any layer moves (``CacheError``, the cache unchanged): a policy that does not
-fit the model (overrides out of range ...), a static ``max_length`` below the tokens a layer
+fit the model (overrides out of range ...), a policy a ``CompileableCache`` cannot hold
+(``chain.check_compiled``: the layer and why), a static ``max_length`` below the tokens a layer
 holds, an ``auto`` policy with no rung that fits. A failure while moving (a full disk) moves the
 layers already moved (of every cache of ``retier_all``) back to their old chains (bit-exact for
 lossless moves; a layer that was quantized on the way keeps the dequantized values) and raises
@@ -33,7 +36,7 @@ lossless moves; a layer that was quantized on the way keeps the dequantized valu
 
 from __future__ import annotations
 
-from tiercache.cache.chain import Shared, build_layer, build_layers, compileable
+from tiercache.cache.chain import Shared, build_layer, build_layers, check_compiled, compileable
 from tiercache.errors import CacheError, PolicyError
 from tiercache.policy.schema import load_policy
 
@@ -66,6 +69,10 @@ def retier_all(caches: list, policy) -> None:
             first = caches[0]
             policy = choose(policy, first.model, max(first.batch_size, 1), max(first.get_seq_length(), 1))
         plans = [cache.layer_policies(policy, cache.model) for cache in caches]
+        for cache, targets in zip(caches, plans):
+            if cache.compiled:  # a CompileableCache stays one: its new layers must be compileable
+                for lp in targets:
+                    check_compiled(lp)
     except PolicyError as e:
         raise CacheError(f"retier: {e}") from e
     for cache, targets in zip(caches, plans):
@@ -91,7 +98,7 @@ def _check(cache, targets) -> None:
 def _apply(cache, policy, targets):
     """Move ``cache``'s layers to chains of ``targets``; returns what moves them back (after success)."""
     before, old_policy = [layer.policy for layer in cache.layers], cache.policy
-    new_layers, shared = build_layers(targets)
+    new_layers, shared = build_layers(targets, cache.compiled)
     old_shared, moved = cache._shared, []
     for layer in cache.layers:  # device mirrors and the old workspace are not read while moving
         layer.evict()
@@ -139,7 +146,7 @@ def _move(old, new, where: str) -> None:
 
 def _roll_back(cache, moved: list[int], before: list, old_shared) -> None:
     """Move layers ``moved`` back to chains of their old layer policies ``before`` (old shared buffers)."""
-    padded = bool(before) and all(compileable(lp) for lp in before)
+    padded = cache.compiled or (bool(before) and all(compileable(lp) for lp in before))
     for i in moved:
         back = build_layer(before[i], old_shared if old_shared is not None else Shared(), padded)
         _move(cache.layers[i], back, f"retier roll-back: layer {i}")

@@ -42,9 +42,11 @@ The preallocated buffers are marked static for dynamo (``layers.static.mark_stat
 Layouts: the native backend, integer codes of 2, 4 or 8 bits, either axis for keys and values,
 ``key_gain``, ``clip``; not fp8, ``meta_bits: 8`` or sinks (``supported`` says why, the chain
 builder raises it). The compiled step dequantizes in the graph (inductor fuses it): the packed
-decode kernels of ``packed_attention`` are the dynamic cache's. Batch operations (``reorder``,
-``select``, ``repeat_interleave``) and ``crop`` within the residual are eager; lifecycle
-(``state_dict``, ``ingest``: save / load / fork / retier) is refused with ``CacheError``.
+decode kernels of ``packed_attention`` are the dynamic cache's. It is a ``StaticLayer`` (``tiercache.layers.static``) with packed buffers: the host count, batch
+operations (``reorder``, ``select``, ``repeat_interleave``, eager) and accounting are that layer's.
+``crop`` reaches the residual only. Lifecycle: ``state_dict`` holds the packed rows and the
+residual as they are (fork and save / load are bit-exact); ``export`` gives the dequantized
+tokens and ``ingest`` quantizes what it is given as one update would (retier).
 """
 
 from __future__ import annotations
@@ -52,10 +54,10 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
+from tiercache.layers.base import check_crop
 from tiercache.layers.spec import KVSpec
-from tiercache.layers.static import mark_static
-from tiercache.layers.tiers import place_of
+from tiercache.layers.state import check_ingest
+from tiercache.layers.static import StaticLayer, mark_static
 from tiercache.quantize.blocks import BlockCodec, Codec
 
 __all__ = ["StaticQuantized", "supported"]
@@ -82,20 +84,19 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-class StaticQuantized(KVLayer):
+class StaticQuantized(StaticLayer):
+    kind = "static_quantized"
     is_compileable = True
 
     def __init__(self, codec: Codec, residual_length: int, max_length: int):
-        if not isinstance(max_length, int) or max_length < 1:
-            raise CacheError(f"static storage needs max_length >= 1, got {max_length!r}")
-        self.codec, self.g, self.r, self.limit = codec, codec.group_size, residual_length, max_length
+        super().__init__(max_length)
+        self.codec, self.g, self.r = codec, codec.group_size, residual_length
         if self.r < self.g or self.r % self.g:
             raise CacheError(f"static quantized layer: residual_length {self.r} must be a multiple of group_size {self.g}")
         self.slots = -(-max_length // self.r) * self.r  # L: token slots, whole residuals
-        self.spec: KVSpec | None = None
         self.codecs: tuple[BlockCodec, BlockCodec] | None = None
-        self.krows = self.vrows = self.rk = self.rv = self.position = self.overflow = None
-        self._count, self._stale, self._overflowed = 0, False, False  # host view (module docstring)
+        self.krows = self.vrows = self.rk = self.rv = self.overflow = None
+        self._overflowed = False  # a compiled step ran past max_length (module docstring)
 
     # -- the write path ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -131,10 +132,7 @@ class StaticQuantized(KVLayer):
         self.krows.index_copy_(2, rows, self.codecs[0].encode(self.rk))  # read only once the ring is full
         self.vrows.index_copy_(2, rows, self.codecs[1].encode(self.rv))
         self.position.add_(1)
-        if _compiling():
-            self._stale = True  # the host count catches up at the next eager read
-        else:
-            self._count += 1  # (room was checked eagerly: overflow stays False)
+        self.length += 1  # compiled: marks the host count stale (room was checked eagerly: no overflow)
         return keys, values
 
     def _bulk(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,24 +187,12 @@ class StaticQuantized(KVLayer):
             raise CacheError(f"static quantized layer: a compiled decode step ran past max_length={self.limit} tokens "
                              "(its output is not valid); raise max_length in the policy or generate fewer tokens")
 
-    def layout(self):
-        return self.spec
-
     def seq_length(self):
         """Tokens seen: the host count eagerly (read from the device only after compiled steps),
         the device counter itself under compile."""
-        if self.position is None:
-            return 0
-        if _compiling():
-            return self.position.clone()
-        self.surface()
-        return self._count
-
-    def mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.slots, 0
-
-    def max_length(self) -> int:
-        return self.limit
+        if self.position is not None and not _compiling():
+            self.surface()
+        return self.length
 
     def crop(self, n: int) -> None:
         held = self.seq_length()
@@ -223,25 +209,11 @@ class StaticQuantized(KVLayer):
             self.position.sub_(n)
             self._count -= n
 
-    def reorder(self, beam_idx: torch.Tensor) -> None:
-        if self.spec is not None:
-            idx = check_batch_indices(beam_idx, self.spec.batch, "reorder").to(self.position.device)
-            for buf in self._buffers():
-                buf.copy_(buf.index_select(0, idx))
-
-    def select(self, indices: torch.Tensor) -> None:
-        if self.spec is not None:
-            self._regather(check_batch_indices(indices, self.spec.batch, "select"))
-
-    def repeat_interleave(self, repeats: int) -> None:
-        check_repeats(repeats)
-        if self.spec is not None:
-            self._regather(torch.arange(self.spec.batch).repeat_interleave(repeats))
-
     def reset(self) -> None:
-        self.spec = self.codecs = None
-        self.krows = self.vrows = self.rk = self.rv = self.position = self.overflow = None
-        self._count, self._stale, self._overflowed = 0, False, False
+        super().reset()
+        self.codecs = None
+        self.krows = self.vrows = self.rk = self.rv = self.overflow = None
+        self._overflowed = False
 
     @torch.no_grad()
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -260,60 +232,54 @@ class StaticQuantized(KVLayer):
         values[:, :, base:].copy_(self.rv[:, :, : p - base])
         return keys.clone(), values.clone()
 
-    @property
-    def is_initialized(self) -> bool:
-        return self.spec is not None
-
-    def nbytes(self) -> dict[str, int]:
-        if self.spec is None:
-            return {}
-        return {place_of(self.spec.device): sum(t.numel() * t.element_size() for t in self._buffers())}
-
-    def tier_nbytes(self) -> dict[str, int]:
-        return {"device": n for n in self.nbytes().values()}
-
-    def batch_size(self) -> int | None:
-        return None if self.spec is None else self.spec.batch
-
-    def state_dict(self) -> dict:
-        raise CacheError("a static quantized (compileable) layer has no state dict: save / load / fork / retier "
-                         "need a TieredCache (storage: static without the compiled cache, or storage: full)")
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.state_dict()
-
-    def export(self):
-        held = self.peek()
-        return None if held is None else (*held, held[0].shape[2])
-
+    @torch.no_grad()
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
-        self.state_dict()
+        """What one update of these tokens leaves (they are quantized by this layer's rule)."""
+        spec = check_ingest(key, value, seen, self.kind, whole=True)
+        self._room(seen)
+        self.reset()
+        self._allocate(spec)
+        if seen:
+            self._bulk(key, value)
 
     # -- buffers ----------------------------------------------------------------------------------
     def _buffers(self) -> list[torch.Tensor]:
         return [self.krows, self.vrows, self.rk, self.rv]
 
-    def _allocate(self, spec: KVSpec) -> None:
-        codecs = self.codec.for_kv(spec.key_dim, spec.value_dim, spec.dtype)
-        b, h, rows = spec.batch, spec.heads, self.slots // self.g
-        try:
-            krows = torch.zeros((b, h, rows, codecs[0].row_bytes), dtype=torch.uint8, device=spec.device)
-            vrows = torch.zeros((b, h, rows, codecs[1].row_bytes), dtype=torch.uint8, device=spec.device)
-            rk = torch.zeros((b, h, self.r, spec.key_dim), dtype=spec.dtype, device=spec.device)
-            rv = torch.zeros((b, h, self.r, spec.value_dim), dtype=spec.dtype, device=spec.device)
-        except RuntimeError as e:
-            raise CacheError(f"static quantized layer: cannot allocate max_length={self.limit} tokens on {spec.device}: "
-                             f"{str(e).splitlines()[0]}; lower max_length") from e
-        self.krows, self.vrows, self.rk, self.rv = krows, vrows, rk, rv
-        self.position = torch.zeros((), dtype=torch.long, device=spec.device)
-        self.overflow = torch.zeros((), dtype=torch.bool, device=spec.device)
-        self._count, self._stale, self._overflowed = 0, False, False
-        mark_static(*self._buffers(), self.position, self.overflow)
-        self.spec, self.codecs = spec, codecs
-
-    def _regather(self, index: torch.Tensor) -> None:
-        index = index.to(self.position.device)
-        bufs = [t.index_select(0, index) for t in self._buffers()]
+    def _set_buffers(self, bufs: list[torch.Tensor]) -> None:
         self.krows, self.vrows, self.rk, self.rv = bufs
-        mark_static(*bufs)
-        self.spec = self.spec.with_batch(index.numel())
+
+    def _shapes(self, s: KVSpec) -> list[tuple[tuple, torch.dtype]]:
+        kc, vc = self.codec.for_kv(s.key_dim, s.value_dim, s.dtype)
+        rows, u8 = self.slots // self.g, torch.uint8
+        return [((s.batch, s.heads, rows, kc.row_bytes), u8), ((s.batch, s.heads, rows, vc.row_bytes), u8),
+                ((s.batch, s.heads, self.r, s.key_dim), s.dtype), ((s.batch, s.heads, self.r, s.value_dim), s.dtype)]
+
+    def _allocate(self, spec: KVSpec) -> None:
+        super()._allocate(spec)
+        self.codecs = self.codec.for_kv(spec.key_dim, spec.value_dim, spec.dtype)
+        self.overflow = torch.zeros((), dtype=torch.bool, device=spec.device)
+        self._overflowed = False
+        mark_static(self.overflow)
+
+    def _held(self) -> dict:
+        """The packed rows of the packed tokens and the residual, as held (a lossless state)."""
+        p = self.seq_length()
+        s = p % self.r
+        rows = (p - s) // self.g
+        return {"krows": self.krows[:, :, :rows], "vrows": self.vrows[:, :, :rows],
+                "rk": self.rk[:, :, :s], "rv": self.rv[:, :, :s]}
+
+    def _load(self, spec: KVSpec, length: int, sd: dict) -> None:
+        self.reset()
+        self._allocate(spec)
+        s = length % self.r
+        for name, n, buf in zip(("krows", "vrows", "rk", "rv"), (*[(length - s) // self.g] * 2, s, s), self._buffers()):
+            t, shape = sd.get(name), (*buf.shape[:2], n, buf.shape[3])
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != buf.dtype:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+                self.reset()
+                raise CacheError(f"state of a {self.kind} layer: {name} should be {shape} {buf.dtype}, got {got}")
+            buf[:, :, : shape[2]].copy_(t)
+        self.position.fill_(length)
+        self.length = length
