@@ -216,11 +216,6 @@ class StaticQuantized(StaticLayer):
         self._overflowed = False
 
     @torch.no_grad()
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        held = self.peek()
-        return None if held is None or not held[0].shape[2] else held
-
-    @torch.no_grad()
     def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Fresh dequantized ``[B, H, S, D]`` (packed blocks, then the residual exact)."""
         if self.spec is None:
