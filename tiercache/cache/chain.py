@@ -51,12 +51,12 @@ import math
 import torch
 
 from tiercache.cache.chainspec import ChainSpec, spec_for
+from tiercache.errors import PolicyError
 from tiercache.layers.base import KVLayer
 from tiercache.layers.buffer import CHUNK, capacity_for
 from tiercache.layers.full import FullLayer
 from tiercache.layers.sliding import SlidingLayer
 from tiercache.layers.static import StaticLayer
-from tiercache.errors import PolicyError
 from tiercache.models.spec import INDEXED_TYPES, SIDE_STATE_TYPES
 from tiercache.policy.schema import LayerPolicy
 

@@ -18,7 +18,9 @@
         The cache's view of the room: a forward writes its layers one by one, so its first write
         refuses ``t`` tokens that any bounded layer (index -> layer) has no room for, before any
         layer takes them (else a sliding layer before a full static one would count tokens the
-        static one then refuses, and the layers would disagree on the tokens seen).
+        static one then refuses, and the layers would disagree on the tokens seen). Under
+        ``torch.compile`` a static layer counts on the device (a host count would recompile the
+        step per token), so the room is checked eagerly only (the prefill's update).
 
 Who calls it (the design). ``TieredCache.update`` calls ``check_update`` once, on the chain of
 ``layer_idx`` (after the index and KV-sharing placeholders are checked; a refusal names the
@@ -78,6 +80,8 @@ def check_layer_index(layer_idx, n: int, model_name: str) -> None:
 
 
 def check_room(layers: dict, t: int) -> None:
+    if torch.compiler.is_compiling():  # (module docstring)
+        return
     for i, layer in layers.items():
         limit = layer.max_length()
         if not layer.is_sliding and limit > 0 and layer.seq_length() + t > limit:
