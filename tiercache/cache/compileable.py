@@ -11,8 +11,8 @@ compile), quantized as ``tiercache.quantize.static_layer.StaticQuantized`` (pack
 exact residual ring, the dynamic ``Quantize`` layer's quantization points). So ``is_compileable``
 is True and transformers' ``generate`` compiles the model's forward for the decode steps (the
 prefill runs eagerly), builds the 4D mask over the fixed slots for each step, and one graph serves
-every position. Under ``torch.compile`` an update goes straight to the layer and the sequence
-length is the layer's device counter (``TieredCache.update``); eagerly the checks run.
+every position. Under ``torch.compile`` the sequence length is the layer's device counter and
+the room of a layer is not checked (``layers.validate.check_room``: eagerly only).
 
 The policy must give every layer ``storage: static`` (``max_length``), no offload, no sliding
 window, and a quantize section the static layer supports (``static_layer.supported``); a model

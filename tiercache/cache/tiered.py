@@ -132,8 +132,6 @@ class TieredCache(HybridStates, Cache):
 
     # -- the write path --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if torch.compiler.is_compiling():  # compileable: checked eagerly at the prefill, shapes fixed in the graph
-            return self.layers[layer_idx].append(key_states, value_states)
         self._layer(layer_idx)
         self._reuse.check_update(layer_idx)
         self._on(layer_idx, lambda layer: check_update(layer, key_states, value_states, model=True))
