@@ -1,5 +1,6 @@
 """The import graph of the installed package: imports flow one way, from the face (CLI, serve) down
-to the layers, with no circle; research tooling (``bench/research``) is never imported; the
+to the layers, with no circle between modules nor between packages (``cache`` -> ``planner`` ->
+``quantize`` -> ``layers`` -> ``policy``, never back); research tooling (``bench/research``) is never imported; the
 torch-only packages load without transformers, fastapi or redis.
 
 The graph is read from the source (every ``import``, lazy ones inside functions included), so a
@@ -60,6 +61,23 @@ def graph() -> dict[str, set[str]]:
     return g
 
 
+def package_of(module: str) -> str:
+    """``tiercache.cache.tiered`` -> ``tiercache.cache``; a top-level module (``tiercache.cli``) is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(g: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph folded onto the package level (imports inside one package dropped)."""
+    out: dict[str, set[str]] = {}
+    for m, targets in g.items():
+        out.setdefault(package_of(m), set())
+        for t in targets:
+            out.setdefault(package_of(t), set())
+            if package_of(t) != package_of(m):
+                out[package_of(m)].add(package_of(t))
+    return out
+
+
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -101,6 +119,23 @@ def test_the_cycle_finder_finds_a_planted_circle():
 def test_no_import_circles_in_the_package():
     found = cycles(graph())
     assert found == [], "import circles (imports must flow one way): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_package_graph_folds_modules_onto_packages():
+    g = {"tiercache.a.x": {"tiercache.b.y"}, "tiercache.b.y": {"tiercache.a.z"}, "tiercache.a.z": set(),
+         "tiercache.cli": {"tiercache.a.x"}}
+    assert package_graph(g) == {"tiercache.a": {"tiercache.b"}, "tiercache.b": {"tiercache.a"},
+                                "tiercache.cli": {"tiercache.a"}}
+    assert cycles(package_graph(g)) == [["tiercache.a", "tiercache.b"]]  # no module circle, a package one
+
+
+def test_no_import_circles_between_packages():
+    g = graph()
+    found = cycles(package_graph(g))
+    edges = [f"{m} -> {t}" for m, ts in sorted(g.items()) for t in sorted(ts)
+             if any(package_of(m) in c and package_of(t) in c and package_of(m) != package_of(t) for c in found)]
+    assert found == [], ("package import circles (move the shared piece to the lower package): "
+                         + "; ".join(" <-> ".join(c) for c in found) + "\n" + "\n".join(edges))
 
 
 def test_the_package_never_imports_research_tooling():

@@ -5,7 +5,7 @@
     build_layers(layer_policies) -> (layers, Shared)    one cache's chains and what they share
     make_storage(window, max_length, tier, chunk, padded)   one storage layer
 
-The chain's shape comes from its ``ChainSpec`` (``tiercache.cache.chainspec``, derived purely from the
+The chain's shape comes from its ``ChainSpec`` (``tiercache.planner.chainspec``, derived purely from the
 ``LayerPolicy``), from the inside out:
 
     quantize off, offload off:   storage                       (full | static | sliding)
@@ -43,7 +43,7 @@ import math
 
 import torch
 
-from tiercache.cache.chainspec import ChainSpec, spec_for
+from tiercache.planner.chainspec import ChainSpec, spec_for
 from tiercache.layers.base import KVLayer
 from tiercache.layers.buffer import CHUNK, capacity_for
 from tiercache.layers.full import FullLayer
@@ -96,7 +96,7 @@ class Shared:
 
     def workspace(self, shapes, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         need = [math.prod(s) for s in shapes]
-        from tiercache.offload import runtime  # one per device: the runtime tells devices apart (simulated ones too)
+        from tiercache import runtime  # one per device: the runtime tells devices apart (simulated ones too)
 
         key = (dtype, *runtime.device_key(device))
         buf = self._workspaces.get(key)

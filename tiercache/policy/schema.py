@@ -21,7 +21,7 @@ Choices where DESIGN.md is silent
 - ``calibration`` (with ``auto: true``): the per-layer sensitivity ``tiercache tune`` saved (JSON); the
   auto ladder then offers a rung of per-layer formats chosen by it (``tiercache.planner.mixed``).
   A relative path is read from the working directory.
-- ``cross_attention`` (encoder-decoder models, ``tiercache.cache.cross_attention``): its own ``quantize``
+- ``cross_attention`` (encoder-decoder models, ``tiercache.planner.cross_attention``): its own ``quantize``
   / ``offload``, not merged with the top-level ones; omitted means full precision on the device.
 """
 
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tiercache.errors import PolicyError
+from tiercache.policy.backends import validate
 from tiercache.policy.fields import UNSET, Size, build_fields, read_yaml, to_plain
 
 
@@ -289,8 +290,6 @@ def check_quantize(q: QuantizePolicy, where: str) -> None:
         v = getattr(q, name)
         if v < (1 if name == "group_size" else 0):
             raise PolicyError(f"{where}.{name}: must be {'>= 1' if name == 'group_size' else '>= 0'}, got {v}")
-    from tiercache.quantize.backends import validate
-
     validate(q, where)
     if q.meta_bits is not None and (q.meta_bits != 8 or q.backend != "native" or q.format != "int"):
         raise PolicyError(f"{where}.meta_bits: allowed values are null (scales and offsets in the model dtype) and 8 "
