@@ -14,7 +14,7 @@ Choices where DESIGN.md is silent
 - ``bits: 8`` with ``format: fp8`` selects e4m3 floating point (native backend only).
 - ``key_gain`` (default 1.0: off) multiplies the keys attention reads of the packed tokens (not
   the sinks, not the residual): a quantized context loses attention against the exact tokens,
-  which a gain above 1 gives back (README, "A gain on the quantized keys"). A number in (0, 4].
+  which a gain above 1 gives back (docs/quality-study.md, "A gain on the quantized keys"). A number in (0, 4].
 - ``budget.gpu_memory`` is the card a policy is written for (``24GB``: 24e9 bytes, as cards are
   sold; ``22GiB``: 22 * 2^30): the planner's verdict then also needs the whole run's device footprint
   (``tiercache.planner.whole``) to fit it; a value under 1 MiB is refused as a size without its unit.
