@@ -62,7 +62,7 @@ device-venv: $(DEVICE_STAMP)
 
 # two workers (pytest-xdist), one test file each at a time: many tests wait on servers and processes
 test: kernels $(DEVICE_STAMP) redis-server
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 
 bench-core: kernels
 	$(PY) bench/bench_core.py

@@ -8,6 +8,7 @@ circle that only closes at run time is still found.
 """
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ def modules() -> dict[str, Path]:
     return out
 
 
+@functools.lru_cache(maxsize=None)  # each module's source is parsed once per run, not once per test
 def imports_of(name: str, path: Path) -> list[tuple[str, bool]]:
     """(imported module, at module level?) for every import statement of one module."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
@@ -49,6 +51,7 @@ def imports_of(name: str, path: Path) -> list[tuple[str, bool]]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def graph() -> dict[str, set[str]]:
     mods = modules()
     g = {m: set() for m in mods}
