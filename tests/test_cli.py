@@ -2,7 +2,6 @@
 bad input refused with a message (not a traceback)."""
 
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 

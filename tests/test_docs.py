@@ -3,6 +3,7 @@ nav or an API page naming a module that is gone fails it), and the README stays 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -113,6 +114,7 @@ def _docs_texts() -> dict[str, str]:
     return {p.relative_to(ROOT).as_posix(): p.read_text() for p in pages}
 
 
+@functools.lru_cache(maxsize=None)
 def _cli_flags() -> dict[str, set[str]]:
     """Every ``tiercache`` subcommand's flags, from the parsers themselves (``bench`` has its own)."""
     import argparse
@@ -165,3 +167,21 @@ def test_the_policy_docs_name_every_field_and_only_fields():
         assert documented[section] == fields, (f"docs/policies.md, {section}: not documented "
                                                f"{sorted(fields - documented[section])}, not fields "
                                                f"{sorted(documented[section] - fields)}")
+
+
+# flags of other programs the docs show (redis-server, compute-sanitizer), not tiercache's nor a benchmark's
+EXTERNAL_FLAGS = {"--appendonly", "--requirepass", "--save", "--tool"}
+
+
+def test_every_flag_the_docs_name_exists_somewhere():
+    """A flag in a code span or block is a ``tiercache`` flag, a flag of a script under ``bench/`` or
+    the Makefile, or one of the few external programs' flags above: no flag the code has dropped."""
+    known = set().union(*_cli_flags().values()) | EXTERNAL_FLAGS
+    scripts = "\n".join(p.read_text() for p in [*ROOT.glob("bench/**/*.py"), *ROOT.glob("bench/*.sh"), ROOT / "Makefile"])
+    bad = set()
+    for page, text in _docs_texts().items():
+        for code in re.findall(r"`([^`\n]+)`", text) + re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", code):
+                if flag not in known and not re.search(rf"[\"' ]{re.escape(flag)}\b", scripts):
+                    bad.add((page, flag))
+    assert not bad, f"the docs name flags that nothing takes (page, flag): {sorted(bad)}"
