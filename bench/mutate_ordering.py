@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL = re.compile(r"\.(wait_event|wait_stream|synchronize)\(|record_stream\(")
-SKIP = {"tiercache/offload/simdevice.py", "tiercache/offload/simmemory.py", "tiercache/offload/runtime.py"}
+SKIP = {"tiercache/offload/simdevice.py", "tiercache/offload/simmemory.py", "tiercache/runtime.py"}
 TESTS = [
     "tests/offload/test_simdevice.py",
     "tests/offload/test_simdevice_decode.py",

@@ -40,3 +40,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+
+
+SLOW_SECONDS = float(os.environ.get("TIERCACHE_SLOW_SECONDS", 20))  # a test longer than this is marked @pytest.mark.slow (make test still runs it)
+_unmarked_slow: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report):
+    """Collect tests that ran past SLOW_SECONDS without the ``slow`` marker (reported, not failed:
+    a shared CPU makes timings noisy)."""
+    if report.when == "call" and report.duration > SLOW_SECONDS and "slow" not in report.keywords:
+        _unmarked_slow.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unmarked_slow:
+        terminalreporter.write_sep("-", f"tests over {SLOW_SECONDS:g} s without @pytest.mark.slow")
+        for nodeid, seconds in sorted(_unmarked_slow, key=lambda t: -t[1]):
+            terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")

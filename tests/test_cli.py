@@ -2,11 +2,14 @@
 bad input refused with a message (not a traceback)."""
 
 import subprocess
-import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
 from tiercache.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_validate_ok_and_error(tmp_path, capsys):
@@ -35,9 +38,15 @@ def test_generate_prints_text_bytes_and_speed(capsys):
 
 
 def test_console_script_is_installed():
-    r = subprocess.run([sys.executable, "-m", "tiercache.cli", "validate", "configs/default.yaml"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
+    """The ``tiercache`` command pip installed (pyproject's ``[project.scripts]``), run as a user runs it."""
+    script = Path(sysconfig.get_path("scripts")) / "tiercache"
+    assert script.is_file(), f"no tiercache console script in {script.parent}: pip install -e . (make does)"
+    r = subprocess.run([str(script), "validate", "configs/default.yaml"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("OK: "), r.stdout + r.stderr
+    bad = subprocess.run([str(script), "validate", "no-such.yaml"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert bad.returncode == 1 and "no-such.yaml" in bad.stdout + bad.stderr
 
 
 def _usage_error(capsys, argv) -> str:

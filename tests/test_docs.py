@@ -3,6 +3,7 @@ nav or an API page naming a module that is gone fails it), and the README stays 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -73,3 +74,114 @@ def test_the_readme_python_example_runs(tmp_path, monkeypatch):
     prompt = scope["inputs"]["input_ids"].shape[1]
     assert scope["out"].shape[1] > prompt
     assert scope["cache"].get_seq_length() >= prompt and sum(scope["cache"].nbytes().values()) > 0
+
+
+def _layout_sections(text: str) -> dict[str, str]:
+    """The tree of ``docs/layout.md`` as {folder path: the text of its lines} (``tiercache/cache/`` ...)."""
+    block = text.split("```")[1]
+    out: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    for line in block.splitlines():
+        head = re.match(r"( *)(\S+/)(\s|$)", line)
+        if head:
+            indent = len(head.group(1))
+            stack = [(i, name) for i, name in stack if i < indent] + [(indent, head.group(2))]
+        key = "".join(name for _, name in stack)
+        out[key] = out.get(key, "") + " " + line
+    return out
+
+
+def test_layout_names_every_module_in_its_folder():
+    sections = _layout_sections((ROOT / "docs" / "layout.md").read_text())
+    missing = []
+    for path in sorted((ROOT / "tiercache").rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        folder = path.parent.relative_to(ROOT).as_posix() + "/"
+        if not re.search(rf"(?<![\w/]){re.escape(path.name)}\b", sections.get(folder, "")):
+            missing.append(path.relative_to(ROOT).as_posix())
+    assert missing == [], f"docs/layout.md does not name these modules under their folder: {missing}"
+
+
+def test_the_layout_reader_finds_nested_folders():
+    sections = _layout_sections("```\ntiercache/  a.py\n  cache/  b.py\n          c.py\n    deep/  d.py\nbench/  e.py\n```")
+    assert "c.py" in sections["tiercache/cache/"] and "d.py" in sections["tiercache/cache/deep/"]
+    assert "d.py" not in sections["tiercache/cache/"] and "e.py" in sections["bench/"]
+
+
+def _docs_texts() -> dict[str, str]:
+    pages = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+    return {p.relative_to(ROOT).as_posix(): p.read_text() for p in pages}
+
+
+@functools.lru_cache(maxsize=None)
+def _cli_flags() -> dict[str, set[str]]:
+    """Every ``tiercache`` subcommand's flags, from the parsers themselves (``bench`` has its own)."""
+    import argparse
+
+    from tiercache.bench.command import parser as bench_parser
+    from tiercache.cli import parser
+
+    subs = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {name: {o for a in sub._actions for o in a.option_strings} for name, sub in subs.choices.items()}
+    flags["bench"] |= {o for a in bench_parser()._actions for o in a.option_strings}
+    return flags
+
+
+def test_every_cli_flag_the_docs_give_a_command_exists():
+    """``tiercache SUB ... --flag`` in a page (code block or inline, continuation lines included): SUB takes --flag."""
+    flags = _cli_flags()
+    command = re.compile(r"tiercache (" + "|".join(map(re.escape, flags)) + r")\b([^`|;#\n]*(?:\\\n[^`|;#\n]*)*)")
+    bad = [(page, m.group(1), flag) for page, text in _docs_texts().items() for m in command.finditer(text)
+           for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(2)) if flag not in flags[m.group(1)]]
+    assert bad == [], f"the docs give commands flags they do not take (page, command, flag): {bad}"
+
+
+def _policy_table() -> dict[str, set[str]]:
+    """docs/policies.md's table of fields as {section: field names} (an empty section cell: the one above)."""
+    text = (ROOT / "docs" / "policies.md").read_text()
+    rows = re.search(r"^\| section \| field \|.*?\n((?:\|.*\n)+)", text, re.M).group(1).splitlines()[1:]
+    out: dict[str, set[str]] = {}
+    section = None
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if cells[0]:
+            section = "top level" if cells[0] == "top level" else cells[0].strip("`").removesuffix("[]")
+        out.setdefault(section, set()).update(re.findall(r"`([a-z_]+)`", cells[1]))
+    return out
+
+
+def test_the_policy_docs_name_every_field_and_only_fields():
+    import dataclasses
+
+    from tiercache.policy import schema
+
+    classes = {"top level": schema.Policy, "quantize": schema.QuantizePolicy, "offload": schema.OffloadPolicy,
+               "overrides": schema.Override, "budget": schema.Budget, "cross_attention": schema.CrossAttentionPolicy}
+    documented = _policy_table()
+    assert documented.keys() == classes.keys(), documented.keys()
+    for section, cls in classes.items():
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if section == "top level":  # the sections are documented as sections of their own
+            fields -= classes.keys()
+        assert documented[section] == fields, (f"docs/policies.md, {section}: not documented "
+                                               f"{sorted(fields - documented[section])}, not fields "
+                                               f"{sorted(documented[section] - fields)}")
+
+
+# flags of other programs the docs show (redis-server, compute-sanitizer), not tiercache's nor a benchmark's
+EXTERNAL_FLAGS = {"--appendonly", "--requirepass", "--save", "--tool"}
+
+
+def test_every_flag_the_docs_name_exists_somewhere():
+    """A flag in a code span or block is a ``tiercache`` flag, a flag of a script under ``bench/`` or
+    the Makefile, or one of the few external programs' flags above: no flag the code has dropped."""
+    known = set().union(*_cli_flags().values()) | EXTERNAL_FLAGS
+    scripts = "\n".join(p.read_text() for p in [*ROOT.glob("bench/**/*.py"), *ROOT.glob("bench/*.sh"), ROOT / "Makefile"])
+    bad = set()
+    for page, text in _docs_texts().items():
+        for code in re.findall(r"`([^`\n]+)`", text) + re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", code):
+                if flag not in known and not re.search(rf"[\"' ]{re.escape(flag)}\b", scripts):
+                    bad.add((page, flag))
+    assert not bad, f"the docs name flags that nothing takes (page, flag): {sorted(bad)}"

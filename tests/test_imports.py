@@ -1,5 +1,6 @@
 """The import graph of the installed package: imports flow one way, from the face (CLI, serve) down
-to the layers, with no circle; research tooling (``bench/research``) is never imported; the
+to the layers, with no circle between modules nor between packages (``cache`` -> ``planner`` ->
+``quantize`` -> ``layers`` -> ``policy``, never back); research tooling (``bench/research``) is never imported; the
 torch-only packages load without transformers, fastapi or redis.
 
 The graph is read from the source (every ``import``, lazy ones inside functions included), so a
@@ -7,6 +8,7 @@ circle that only closes at run time is still found.
 """
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +32,7 @@ def modules() -> dict[str, Path]:
     return out
 
 
+@functools.lru_cache(maxsize=None)  # each module's source is parsed once per run, not once per test
 def imports_of(name: str, path: Path) -> list[tuple[str, bool]]:
     """(imported module, at module level?) for every import statement of one module."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
@@ -48,6 +51,7 @@ def imports_of(name: str, path: Path) -> list[tuple[str, bool]]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def graph() -> dict[str, set[str]]:
     mods = modules()
     g = {m: set() for m in mods}
@@ -58,6 +62,23 @@ def graph() -> dict[str, set[str]]:
             if target and target != m and not m.startswith(target + ".") and target != "tiercache":
                 g[m].add(target)
     return g
+
+
+def package_of(module: str) -> str:
+    """``tiercache.cache.tiered`` -> ``tiercache.cache``; a top-level module (``tiercache.cli``) is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(g: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph folded onto the package level (imports inside one package dropped)."""
+    out: dict[str, set[str]] = {}
+    for m, targets in g.items():
+        out.setdefault(package_of(m), set())
+        for t in targets:
+            out.setdefault(package_of(t), set())
+            if package_of(t) != package_of(m):
+                out[package_of(m)].add(package_of(t))
+    return out
 
 
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
@@ -101,6 +122,23 @@ def test_the_cycle_finder_finds_a_planted_circle():
 def test_no_import_circles_in_the_package():
     found = cycles(graph())
     assert found == [], "import circles (imports must flow one way): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_package_graph_folds_modules_onto_packages():
+    g = {"tiercache.a.x": {"tiercache.b.y"}, "tiercache.b.y": {"tiercache.a.z"}, "tiercache.a.z": set(),
+         "tiercache.cli": {"tiercache.a.x"}}
+    assert package_graph(g) == {"tiercache.a": {"tiercache.b"}, "tiercache.b": {"tiercache.a"},
+                                "tiercache.cli": {"tiercache.a"}}
+    assert cycles(package_graph(g)) == [["tiercache.a", "tiercache.b"]]  # no module circle, a package one
+
+
+def test_no_import_circles_between_packages():
+    g = graph()
+    found = cycles(package_graph(g))
+    edges = [f"{m} -> {t}" for m, ts in sorted(g.items()) for t in sorted(ts)
+             if any(package_of(m) in c and package_of(t) in c and package_of(m) != package_of(t) for c in found)]
+    assert found == [], ("package import circles (move the shared piece to the lower package): "
+                         + "; ".join(" <-> ".join(c) for c in found) + "\n" + "\n".join(edges))
 
 
 def test_the_package_never_imports_research_tooling():

@@ -214,7 +214,8 @@ def parser() -> argparse.ArgumentParser:
                     help="compute device (default: cuda when --gpu-memory or the policy's budget.gpu_memory states "
                          "a card or this machine has CUDA, else cpu; the plan's first line says which)")
     pl.add_argument("--prefill-chunk", type=positive_int, default=None,
-                    help="tokens per prefill chunk (default: the largest that fits a scope: total budget, else 2048)")
+                    help="prompt tokens one forward feeds at most, the prefill chunk planned for (default: the largest "
+                         "that fits a scope: total budget, else 2048)")
     pl.add_argument("--encoder-length", type=positive_int, default=None,
                     help="encoder-decoder models: encoder output tokens, to count cross-attention K/V")
     pl.add_argument("--gpu-memory", type=card_size, default=None, metavar="SIZE",
@@ -231,7 +232,7 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the text to continue")
     src.add_argument("--prompt-file", help="read the text to continue from this UTF-8 file (long prompts)")
     g.add_argument("--prefill-chunk", type=positive_int, default=None,
-                   help="tokens per prefill forward (default: the plan's, tiercache plan)")
+                   help="prompt tokens one forward feeds at most, the prefill chunk (default: the plan's, tiercache plan)")
     g.add_argument("--max-new-tokens", type=positive_int, default=64)
     g.add_argument("--sample", action="store_true")
     g.add_argument("--seed", type=int, default=0)
@@ -251,7 +252,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-active", type=positive_int, default=8,
                    help="requests generated at once (one forward per step over all of them)")
     s.add_argument("--prefill-chunk", type=positive_int, default=256,
-                   help="prompt tokens one step feeds at most, beside the decoding requests (default 256)")
+                   help="prompt tokens one forward (a step) feeds at most, the prefill chunk, beside the decoding "
+                        "requests (default 256)")
     s.add_argument("--step-tokens", type=positive_int, default=512,
                    help="tokens one step feeds at most: one per decoding request + the prefill chunk (default 512; "
                         "more than --max-active)")

@@ -48,7 +48,7 @@ def test_device_venv_is_shaped_like_the_image():
 def test_package_and_cli_import_with_torch_and_transformers_only():
     py = device_python()
     code = ("import sys; sys.path.insert(0, '.'); import tiercache, tiercache.cli, tiercache.quantize.packed_triton, "
-            "tiercache.offload.runtime; from tiercache import TieredCache; print('ok')")
+            "tiercache.runtime; from tiercache import TieredCache; print('ok')")
     out = run(py, "-c", code)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 

@@ -124,6 +124,18 @@ def test_to_legacy_returns_copies_that_do_not_follow_the_cache():
     assert same(past, kept)
 
 
+def test_from_legacy_and_load_take_the_same_keywords(tmp_path):
+    """One vocabulary: ``policy=`` and ``model_config=`` name the same things in both constructors."""
+    model = build("llama")
+    ref, _ = prefilled(model, prompt(2, 9))
+    cache = TieredCache.from_legacy(legacy_of(ref), model_config=model.config, policy=POLICIES["int4"])
+    assert same(cache.to_legacy(), TieredCache.from_legacy(legacy_of(ref), POLICIES["int4"], model.config).to_legacy())
+    exact = TieredCache.from_legacy(legacy_of(ref), model_config=model.config, policy=POLICIES["fp"])
+    exact.save(tmp_path / "c")
+    back = TieredCache.load(tmp_path / "c", model_config=model.config, policy=POLICIES["host"])
+    assert back.policy.offload is not None and same(back.to_legacy(), legacy_of(ref))
+
+
 def test_empty_past_gives_an_empty_cache_and_back():
     config = build("llama").config
     for past in (None, (), []):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tiercache.cache.chain import Shared, build_layer, make_storage
-from tiercache.cache.cross_attention import cross_layer_policies
+from tiercache.planner.cross_attention import cross_layer_policies
 from tiercache.models.spec import ModelSpec
 from tiercache.policy.schema import Policy
 from tiercache.layers.cross import CrossAttention

@@ -1,4 +1,4 @@
-"""Devices are stored and compared in one canonical form (``offload.runtime.canonical_device``).
+"""Devices are stored and compared in one canonical form (``runtime.canonical_device``).
 
 ``torch.device("cuda")`` names the current CUDA device, and a tensor made there reports it with
 its index (``cuda:0``); ``cpu:0`` is ``cpu``. A layer loaded with ``device="cuda"`` (or
@@ -13,12 +13,12 @@ import torch
 import builders as models
 from lifecycle.policies import filled, next_logits, policy
 from tiercache import CacheError, TieredCache
+from tiercache import runtime
 from tiercache.layers import validate
 from tiercache.layers.spec import KVSpec
 from tiercache.layers.state import spec_from
 from tiercache.layers.tiers import place_of
-from tiercache.offload import runtime
-from tiercache.offload.runtime import canonical_device
+from tiercache.runtime import canonical_device
 
 
 @pytest.fixture

@@ -182,7 +182,7 @@ def test_a_poisoned_layer_is_not_forked_saved_or_retiered(sim, policy, tmp_path)
         cache.retier({"name": "fp"})
     assert cache.policy.name == policy["name"]
     # layer 0 had moved when layer 1 refused: retier's roll-back re-quantizes its dequantized
-    # values into the same blocks (lifecycle/retier.py), equal up to float rounding
+    # values into the same blocks (cache/retier.py), equal up to float rounding
     as_before(1e-5)
     cache.layers[1].crop(1)  # dropping the bad update (its last token) makes it usable (and savable) again
     cache.save(tmp_path / "c.safetensors")

@@ -114,7 +114,7 @@ def _check(policy, config, monkeypatch, dtype=torch.float32, cache=None, exact_m
     p = plan(cache.policy if policy.auto else policy, config, BATCH, PREFILL + STEPS)
     real = {tier: cache.tier_nbytes().get(tier, 0) for tier in p.bytes}
     work = cache._shared.workspace_nbytes().get("cpu", 0)  # the quantized layers' dequantization workspace
-    slots = cache._shared.nbytes().get("cpu", 0) - work  # the prefetcher's device mirrors
+    slots = cache.shared_nbytes().get("cpu", 0) - work  # the prefetcher's device mirrors
     assert real.keys() == p.bytes.keys()
     for tier in real:
         held, planned = real[tier], p.bytes[tier]

@@ -34,7 +34,7 @@ def shared_parts(cache) -> tuple[int, int]:
     slots = work = 0
     for half in (cache.self_attention_cache, cache.cross_attention_cache):
         w = half._shared.workspace_nbytes().get("cpu", 0)
-        slots += half._shared.nbytes().get("cpu", 0) - w
+        slots += half.shared_nbytes().get("cpu", 0) - w
         work += w
     return slots, work
 

@@ -65,13 +65,13 @@ def test_choose_returns_a_concrete_policy_that_keeps_templates():
 
 
 def test_a_rung_the_backend_cannot_do_is_rejected_with_a_reason(monkeypatch):
-    import tiercache.quantize.backends as backends
+    import tiercache.policy.schema as schema
 
     def only_4_bits(q, where):
         if q.bits != 4:
             raise PolicyError(f"{where}.bits: backend {q.backend} supports 4, got {q.bits}")
 
-    monkeypatch.setattr(backends, "validate", only_4_bits)
+    monkeypatch.setattr(schema, "validate", only_4_bits)  # the check a policy's quantize section goes through
     rows = dict(candidates(Policy.from_dict(_auto("1GiB"))))
     assert isinstance(rows["int8-resident"], PolicyError) and isinstance(rows["int4-kivi-host"], Policy)
     p = plan(_auto("6GiB", "4GiB"), LLAMA8B, 1, 131072)
@@ -95,3 +95,14 @@ def test_from_policy_auto_without_a_context_says_what_it_plans_for():
         long = TieredCache.from_policy(auto, LLAMA8B, context_length=131072)
     # 1 GiB holds 4096 tokens in full precision on the device, not 128k: the context changes the rung
     assert long.policy.name == choose(auto, LLAMA8B, 1, 131072).name != "a/fp-resident"
+
+
+def test_choose_takes_plans_keywords_and_the_old_ones_with_a_warning():
+    auto = Policy.from_dict(_auto("6GiB", "4GiB"))
+    new = choose(auto, LLAMA8B, batch_size=2, context_length=65536)
+    assert new.name == plan(auto, LLAMA8B, batch_size=2, context_length=65536).policy.name
+    with pytest.warns(DeprecationWarning, match="batch_size= and context_length="):
+        old = choose(auto, LLAMA8B, batch=2, context=65536)
+    assert old == new
+    with pytest.warns(DeprecationWarning):  # the old keyword wins over the default, never silently dropped
+        assert choose(auto, LLAMA8B, context=4096) == choose(auto, LLAMA8B, context_length=4096) != new

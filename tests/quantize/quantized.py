@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tiercache.cache.chain import build
-from tiercache.cache.chainspec import spec_for
+from tiercache.planner.chainspec import spec_for
 from tiercache.policy.schema import LayerPolicy, QuantizePolicy
 
 

@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
+from tiercache import runtime
 from tiercache.errors import CacheError
-from tiercache.offload import runtime
 from tiercache.quantize.finite import SLOTS, FiniteGuard
 
 

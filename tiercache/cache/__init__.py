@@ -1,8 +1,8 @@
 """The cache transformers talks to: ``TieredCache`` and how it is built.
 
 Modules: ``tiered`` (``TieredCache``, the ``transformers.Cache`` subclass), ``chain`` (the chain
-builder, the only constructor of a layer's processors), ``chainspec`` (a layer policy's chain,
-torch-only, shared with the planner), ``cross_attention`` (encoder-decoder pairs), ``legacy``
+builder, the only constructor of a layer's processors, from the planner's ``ChainSpec``),
+``fork`` / ``retier`` (a copy; a live cache moved to another policy), ``legacy``
 (tuple caches in and out), ``placeholders`` (KV-sharing layers), ``prefill`` (chunked prefill and
 ``tiercache.generate``), ``compat`` (the keyword a cache is passed under), ``state_layer`` /
 ``hybrid_states`` / ``layer_roles`` (hybrid and recurrent models' conv / recurrent states),
@@ -10,7 +10,7 @@ torch-only, shared with the planner), ``cross_attention`` (encoder-decoder pairs
 sparse attention's indexer keys, DeepSeek-V4's compressor state).
 
 ``TieredCache``, ``TieredEncoderDecoderCache`` and ``generate`` are imported lazily, so that
-``tiercache.cache.chainspec`` loads without transformers.
+``tiercache.cache.chain`` loads without transformers.
 """
 
 

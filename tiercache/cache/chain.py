@@ -12,7 +12,7 @@ layer), built padded; a quantized one is a ``StaticQuantized`` (``tiercache.quan
 Otherwise the static layers of a cache are padded only when every layer is full-precision
 resident static storage (``compileable``): then the cache is compileable as a whole too.
 
-The chain's shape comes from its ``ChainSpec`` (``tiercache.cache.chainspec``, derived purely from the
+The chain's shape comes from its ``ChainSpec`` (``tiercache.planner.chainspec``, derived purely from the
 ``LayerPolicy``), from the inside out:
 
     quantize off, offload off:   storage                       (full | static | sliding)
@@ -50,8 +50,8 @@ import math
 
 import torch
 
-from tiercache.cache.chainspec import ChainSpec, spec_for
 from tiercache.errors import PolicyError
+from tiercache.planner.chainspec import ChainSpec, spec_for
 from tiercache.layers.base import KVLayer
 from tiercache.layers.buffer import CHUNK, capacity_for
 from tiercache.layers.full import FullLayer
@@ -104,7 +104,7 @@ class Shared:
 
     def workspace(self, shapes, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         need = [math.prod(s) for s in shapes]
-        from tiercache.offload import runtime  # one per device: the runtime tells devices apart (simulated ones too)
+        from tiercache import runtime  # one per device: the runtime tells devices apart (simulated ones too)
 
         key = (dtype, *runtime.device_key(device))
         buf = self._workspaces.get(key)

@@ -25,7 +25,7 @@ Lifecycle (``tiercache.lifecycle``): ``fork()`` (= ``copy.deepcopy``), ``retier(
 ``load``, ``release_transients()`` (free the workspace and prefetch slots of a cache set aside);
 legacy tuples (``tiercache.cache.legacy``): ``from_legacy`` / ``to_legacy``; encoder-decoder models:
 ``for_encoder_decoder(policy, config)`` -> ``TieredEncoderDecoderCache`` (transformers'
-``EncoderDecoderCache`` of two TieredCaches, the cross half per ``tiercache.cache.cross_attention``).
+``EncoderDecoderCache`` of two TieredCaches, the cross half per ``tiercache.planner.cross_attention``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
 from tiercache.cache import accounting
 from tiercache.cache.chain import Shared, build_layers
-from tiercache.cache.cross_attention import check_supported, cross_layer_policies
+from tiercache.planner.cross_attention import check_supported, cross_layer_policies
 from tiercache.cache.hybrid_states import HybridStates
 from tiercache.cache.layer_roles import LayerRoles
 from tiercache.errors import CacheError, PolicyError
@@ -274,7 +274,7 @@ class TieredCache(HybridStates, Cache):
         """An independent copy: a cache built by the chain builder from the same layer policies,
         loaded from this one's state (tensors copied onto its own tiers, disk files of its own,
         its own prefetcher; no device mirror carried over). Writing to one never shows in the other."""
-        from tiercache.lifecycle.fork import fork
+        from tiercache.cache.fork import fork
 
         return fork(self)
 
@@ -287,7 +287,7 @@ class TieredCache(HybridStates, Cache):
 
     def retier(self, policy) -> None:
         """Move this cache to ``policy`` (a Policy, YAML path or dict) in place, layer by layer."""
-        from tiercache.lifecycle.retier import retier
+        from tiercache.cache.retier import retier
 
         retier(self, policy)
 
@@ -301,7 +301,8 @@ class TieredCache(HybridStates, Cache):
     def load(cls, path, model_config, *, policy=None, device=None, offload_path=None, max_bytes=None):
         """A save for this model (``tiercache.lifecycle.persist``); ``policy=`` re-tiers it on the way in,
         ``device=`` the compute device, ``offload_path=`` / ``max_bytes=``: ``lifecycle.bounds``."""
-        from tiercache.lifecycle import persist, retier
+        from tiercache.cache import retier
+        from tiercache.lifecycle import persist
 
         return retier.retiered(persist.load(cls, path, spec_of(model_config), model_type_of(model_config), device,
                                             offload_path=offload_path, max_bytes=max_bytes), policy)
@@ -340,7 +341,7 @@ class TieredCache(HybridStates, Cache):
 
 class CrossAttentionCache(TieredCache):
     """The cross-attention half of a ``TieredEncoderDecoderCache``: its layers follow the policy's
-    ``cross_attention`` section (``tiercache.cache.cross_attention``); it is saved only with its pair."""
+    ``cross_attention`` section (``tiercache.planner.cross_attention``); it is saved only with its pair."""
 
     @classmethod
     def layer_policies(cls, policy: Policy, model: ModelSpec) -> list:
@@ -361,7 +362,7 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
 
     def retier(self, policy) -> None:
         """Self-attention per ``policy``, cross-attention per its ``cross_attention`` section, all or nothing."""
-        from tiercache.lifecycle.retier import retier_all
+        from tiercache.cache.retier import retier_all
 
         retier_all([self.self_attention_cache, self.cross_attention_cache], policy)
 
@@ -373,7 +374,8 @@ class TieredEncoderDecoderCache(EncoderDecoderCache):
     @classmethod
     def load(cls, path, model_config, *, policy=None, device=None, offload_path=None, max_bytes=None):
         """An encoder-decoder save, for this model; the keywords as ``TieredCache.load``."""
-        from tiercache.lifecycle import persist, retier
+        from tiercache.cache import retier
+        from tiercache.lifecycle import persist
 
         check_supported(model_config)
         this, cross, flags = persist.load(TieredCache, path, spec_of(model_config), model_type_of(model_config),

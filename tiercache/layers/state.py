@@ -20,7 +20,7 @@ import torch
 
 from tiercache.errors import CacheError
 from tiercache.layers.spec import KVSpec
-from tiercache.offload.runtime import canonical_device
+from tiercache.runtime import canonical_device
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8, torch.int64,

@@ -11,7 +11,7 @@ Interface (tiny on purpose)
 
 ``ComputeTier`` allocates beside the model (its device comes from the first update).
 ``HostTier`` keeps tensors in CPU memory, pinned when the device runtime
-(``tiercache.offload.runtime``: CUDA, or the simulated device) has pinned memory and it is asked for.
+(``tiercache.runtime``: CUDA, or the simulated device) has pinned memory and it is asked for.
 The disk tier lives with the offload processor (``tiercache.offload.disk``). Every tier charges
 an allocation to ``tiercache.layers.allowance`` before making it (a bounded ``load``).
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from tiercache import runtime
 from tiercache.layers import allowance
-from tiercache.offload import runtime
 
 
 def place_of(device: torch.device | str) -> str:

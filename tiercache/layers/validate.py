@@ -9,7 +9,7 @@
           first update, then any layout is learnt): batch, kv heads, key / value head dims, dtype
           and device must match (a layout with ``device=None`` takes any device: an offloaded
           layer not yet bound to a compute device; devices compare in their canonical form,
-          ``offload.runtime.canonical_device``: a layout on ``cuda`` takes tensors on ``cuda:0``);
+          ``runtime.canonical_device``: a layout on ``cuda`` takes tensors on ``cuda:0``);
         - the room: a bounded layer that does not slide (static storage, quantized or not,
           offloaded or not: ``max_length() > 0``) must have room for ``T`` more tokens.
     check_layer_index(layer_idx, n, model_name)
@@ -42,7 +42,7 @@ import torch
 
 from tiercache.errors import CacheError
 from tiercache.layers.spec import KVSpec, check_pair
-from tiercache.offload.runtime import canonical_device
+from tiercache.runtime import canonical_device
 
 _FIELDS = (
     ("batch", "batch size (use select / repeat_interleave / reorder to change it)"),

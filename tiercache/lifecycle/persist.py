@@ -48,7 +48,7 @@ import tempfile
 import torch
 
 from tiercache.errors import CacheError, PolicyError
-from tiercache.offload.runtime import canonical_device
+from tiercache.runtime import canonical_device
 from tiercache.layers import allowance
 from tiercache.lifecycle import bounds
 from tiercache.policy.schema import Policy

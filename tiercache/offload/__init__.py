@@ -2,6 +2,7 @@
 
 ``processor`` (the processor), ``prefetch`` (the next layers brought in on a side stream),
 ``mirror`` (the device copy a layer is read from), ``writeback`` (new tokens written back,
-deferred), ``disk`` (the disk tier), ``runtime`` (the device runtime seam: CUDA or the simulated
-device), ``simdevice`` / ``simmemory`` (a deterministic simulated device for CPU tests). Torch-only.
+deferred), ``disk`` (the disk tier), ``simdevice`` / ``simmemory`` (a deterministic simulated
+device for CPU tests, an implementation of the device runtime seam ``tiercache.runtime``).
+Torch-only.
 """

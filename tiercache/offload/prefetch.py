@@ -18,7 +18,7 @@ Interface used by ``Offload`` (``tiercache.offload.processor``)
                                            write-backs use it too)
 
 Streams, events, device memory and ``record_stream`` come from the device runtime
-(``tiercache.offload.runtime``: CUDA, or the simulated device of the CPU tests), never from
+(``tiercache.runtime``: CUDA, or the simulated device of the CPU tests), never from
 ``torch.cuda`` directly. A layer offers, read-only: ``key`` (from ``register``), ``depth`` (layers
 fetched ahead), ``device`` (its compute device), ``home`` (its stream device, from the runtime;
 None on the CPU), ``pad`` (its mirror's least capacity: a static layer's
@@ -65,11 +65,11 @@ import weakref
 
 import torch
 
+from tiercache import runtime
 from tiercache.errors import CacheError
 from tiercache.layers import regrowth
-from tiercache.offload import runtime
-from tiercache.offload.mirror import Mirror, layout_bytes, mirror_capacity, plan
 from tiercache.layers.tiers import place_of
+from tiercache.offload.mirror import Mirror, layout_bytes, mirror_capacity, plan
 
 ALIGN = 2 << 20  # slot bytes grow in 2 MiB steps
 COUNTERS = ("bytes_h2d", "bytes_d2h", "fetches", "side_fetches", "host_waits", "skipped_fetches")

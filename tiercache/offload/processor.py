@@ -59,7 +59,7 @@ synchronous, after the mirror is acquired. A write-back that failed refuses ever
 ``load_state_dict`` / ``adopt``.
 
 Streams, events, pinned memory and device memory come from the device runtime
-(``tiercache.offload.runtime``): CUDA, or the simulated device the CPU tests run this same
+(``tiercache.runtime``): CUDA, or the simulated device the CPU tests run this same
 code on (``tiercache.offload.simdevice``).
 """
 
@@ -69,15 +69,16 @@ import dataclasses
 
 import torch
 
+from tiercache import runtime
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer
 from tiercache.layers.spec import KVSpec, check_pair
 from tiercache.layers.state import expect, nest, part
-from tiercache.policy.schema import OffloadPolicy
-from tiercache.offload import runtime, writeback
+from tiercache.layers.tiers import HostTier
+from tiercache.offload import writeback
 from tiercache.offload.mirror import mirror_capacity, nbytes_of, row_stride
 from tiercache.offload.prefetch import Prefetcher
-from tiercache.layers.tiers import HostTier
+from tiercache.policy.schema import OffloadPolicy
 
 __all__ = ["Offload", "Prefetcher", "offloaded", "row_stride"]
 

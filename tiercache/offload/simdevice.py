@@ -1,6 +1,6 @@
 """A deterministic simulated device: the CUDA ordering of offload, checked on the CPU.
 
-    with simulated(devices=1) as sim:      installs the runtime (``tiercache.offload.runtime``)
+    with simulated(devices=1) as sim:      installs the runtime (``tiercache.runtime``)
         k = torch.randn(1, 2, 5, 8)        factories make tensors on the current simulated device
         cache.update(k, k, 0)              ... the offload chain runs its CUDA path on them
     sim.hazards                            the races seen (a test asserts there are none)
@@ -52,7 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from tiercache.offload import runtime
+from tiercache import runtime
 from tiercache.offload.simmemory import Block, Late, Op, SimDevice, SimEvent, SimStream, intervals, overlap, \
     poison_, poison_dirty
 
@@ -60,7 +60,7 @@ HOST_FACTORIES = {"aten::from_file"}
 
 
 class Sim:
-    """The simulated runtime (the ``tiercache.offload.runtime`` interface) and its state."""
+    """The simulated runtime (the ``tiercache.runtime`` interface) and its state."""
 
     name = "simulated"
 

@@ -14,7 +14,7 @@ The module reads the layer (``deferred``, ``prefetcher``, ``inner``, ``staged``)
 only its ``Staged`` queue, through the queue's methods.
 
 Streams, events, pinned memory and ``record_stream`` come from the device runtime
-(``tiercache.offload.runtime``); "CUDA" below means any stream device (the simulated one too).
+(``tiercache.runtime``); "CUDA" below means any stream device (the simulated one too).
 
 Write-back on CUDA (``deferred``: full or static storage in pinned host memory, the ``cpu`` tier): the new
 tokens are copied into a pinned staging pair on the side stream of their device (after it waits for
@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import torch
 
+from tiercache import runtime
 from tiercache.errors import CacheError
-from tiercache.offload import runtime
 
 
 def to_host(key: torch.Tensor, value: torch.Tensor):

@@ -13,7 +13,7 @@ Interface
         whether the whole run's device footprint (weights, cache, growth, activations of a prefill
         chunk, runtime, margin) fits a GPU of ``gpu_memory`` bytes, and that footprint in bytes;
         what ``tiercache plan --gpu-memory`` checks, for a search that tries many policies
-    choose(policy, model, batch, context) -> Policy
+    choose(policy, model, batch_size=1, context_length=4096) -> Policy
         the concrete policy an ``auto`` policy stands for (``TieredCache.from_policy`` calls it).
     resolve_model(name_or_path) -> ModelSpec
     local_config(name_or_path) -> config | None
@@ -52,15 +52,18 @@ Plan
                  0 and said so in the table when not predicted)
     .table()     the human-readable report.
 
-Comparing with a real cache: ``tier_bytes(cache.nbytes(), device)`` maps places to tiers (the
-compute device's place -> device, ``cpu`` -> host, ``disk`` -> disk). On a CPU-only run the
-device *is* ``cpu``, so device and host bytes share one place there; compare their sum, or
-report host-tier allocations under their own name (the tests patch ``HostTier.place``).
+Places and tiers: ``cache.nbytes()`` is keyed by *place* (``cuda:0``, ``cpu``, ``disk``: where the
+bytes are now), ``Plan.bytes`` by *tier* (``device``, ``host``, ``disk``: what the policy asks for);
+``cache.tier_nbytes()`` is the cache's bytes keyed by tier, the one to compare with a plan (host-tier
+bytes apart from compute-device bytes even on a CPU-only machine, where both are in ``cpu``).
+``tier_bytes(nbytes, device)`` maps a place dict to tiers (the compute device's place -> device,
+``cpu`` -> host, ``disk`` -> disk).
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 from tiercache.errors import PolicyError
@@ -151,14 +154,21 @@ def fits_card(policy, model, batch_size: int = 1, context_length: int = 4096, gp
     return verdict.fits, verdict.used
 
 
-def choose(policy, model, batch: int = 1, context: int = 4096) -> Policy:
-    """The concrete policy an auto policy resolves to; PolicyError when no rung fits."""
-    p = plan(policy, model, batch, context)
+def choose(policy, model, batch_size: int = 1, context_length: int = 4096, *, batch: int | None = None,
+           context: int | None = None) -> Policy:
+    """The concrete policy an auto policy resolves to; PolicyError when no rung fits. ``batch_size`` /
+    ``context_length`` as ``plan`` takes them; ``batch=`` / ``context=`` are the deprecated spellings."""
+    if batch is not None or context is not None:
+        warnings.warn("choose(batch=, context=) is deprecated: use batch_size= and context_length= (as plan takes "
+                      "them)", DeprecationWarning, stacklevel=2)
+        batch_size = batch if batch is not None else batch_size
+        context_length = context if context is not None else context_length
+    p = plan(policy, model, batch_size, context_length)
     if not p.fits:
         card = p.card if p.card_verdict() is not None else None
         raise PolicyError(
             f"policy.budget: no candidate of the auto ladder fits {budget_text(p.budget, card)} for "
-            f"{p.model.name} at batch {batch}, context {context}; the smallest reachable is "
+            f"{p.model.name} at batch {batch_size}, context {context_length}; the smallest reachable is "
             f"{p.policy.name} with {bytes_text(p)}"
         )
     return p.policy

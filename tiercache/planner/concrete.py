@@ -130,7 +130,7 @@ def plan_concrete(policy: Policy, spec: ModelSpec, batch: int, context: int, enc
     rows, mirrors, workspace, totals = _half(policy.resolve(spec), spec, batch, context, states)
     cross_rows = []
     if encoder_length is not None:  # the cross_attention_cache half: its own layers, mirrors and workspace
-        from tiercache.cache.cross_attention import cross_layer_policies
+        from tiercache.planner.cross_attention import cross_layer_policies
 
         cross_rows, more_mirrors, more_workspace, more = _half(cross_layer_policies(policy, spec), spec, batch,
                                                                  encoder_length)

@@ -12,7 +12,7 @@ Interface
 
 The formulas are the layers' own allocation rules, called rather than restated, so they predict
 ``nbytes()`` (allocated, not logical bytes) rather than ``tokens * bytes per token``: the store's
-kind and geometry come from the layer's chain spec (``tiercache.cache.chainspec``, what the chain
+kind and geometry come from the layer's chain spec (``tiercache.planner.chainspec``, what the chain
 builder builds), capacities from ``layers/capacity.py``, the packed row layout from
 ``quantize/codec.py`` and the residual split from ``quantize/geometry.py``. They describe a cache in steady
 decoding at ``tokens`` (a prefill, then single-token steps); right after a long prefill a
@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tiercache.cache.chainspec import spec_for
+from tiercache.planner.chainspec import spec_for
 from tiercache.layers.capacity import capacity_for
 from tiercache.models.spec import ModelSpec
 from tiercache.policy.schema import LayerPolicy, QuantizePolicy

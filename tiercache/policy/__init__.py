@@ -1,5 +1,6 @@
-"""Policies: ``schema`` (the frozen dataclasses, ``load_policy``, their checks) and ``fields`` (the
-one generic loader and the field types it knows: sizes, ``UNSET``). Torch-free."""
+"""Policies: ``schema`` (the frozen dataclasses, ``load_policy``, their checks), ``fields`` (the
+one generic loader and the field types it knows: sizes, ``UNSET``) and ``backends`` (what each
+quantization backend accepts: names, bits, formats, packages). Torch-free."""
 
 from tiercache.policy.schema import LayerPolicy, OffloadPolicy, Policy, QuantizePolicy, load_policy
 

@@ -14,14 +14,14 @@ Choices where DESIGN.md is silent
 - ``bits: 8`` with ``format: fp8`` selects e4m3 floating point (native backend only).
 - ``key_gain`` (default 1.0: off) multiplies the keys attention reads of the packed tokens (not
   the sinks, not the residual): a quantized context loses attention against the exact tokens,
-  which a gain above 1 gives back (README, "A gain on the quantized keys"). A number in (0, 4].
+  which a gain above 1 gives back (docs/quality-study.md, "A gain on the quantized keys"). A number in (0, 4].
 - ``budget.gpu_memory`` is the card a policy is written for (``24GB``: 24e9 bytes, as cards are
   sold; ``22GiB``: 22 * 2^30): the planner's verdict then also needs the whole run's device footprint
   (``tiercache.planner.whole``) to fit it; a value under 1 MiB is refused as a size without its unit.
 - ``calibration`` (with ``auto: true``): the per-layer sensitivity ``tiercache tune`` saved (JSON); the
   auto ladder then offers a rung of per-layer formats chosen by it (``tiercache.planner.mixed``).
   A relative path is read from the working directory.
-- ``cross_attention`` (encoder-decoder models, ``tiercache.cache.cross_attention``): its own ``quantize``
+- ``cross_attention`` (encoder-decoder models, ``tiercache.planner.cross_attention``): its own ``quantize``
   / ``offload``, not merged with the top-level ones; omitted means full precision on the device.
 """
 
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tiercache.errors import PolicyError
+from tiercache.policy.backends import validate
 from tiercache.policy.fields import UNSET, Size, build_fields, read_yaml, to_plain
 
 
@@ -289,8 +290,6 @@ def check_quantize(q: QuantizePolicy, where: str) -> None:
         v = getattr(q, name)
         if v < (1 if name == "group_size" else 0):
             raise PolicyError(f"{where}.{name}: must be {'>= 1' if name == 'group_size' else '>= 0'}, got {v}")
-    from tiercache.quantize.backends import validate
-
     validate(q, where)
     if q.meta_bits is not None and (q.meta_bits != 8 or q.backend != "native" or q.format != "int"):
         raise PolicyError(f"{where}.meta_bits: allowed values are null (scales and offsets in the model dtype) and 8 "

@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import torch
 
+from tiercache import runtime
 from tiercache.errors import CacheError
-from tiercache.offload import runtime
 from tiercache.quantize import backends, metacodes
 from tiercache.quantize.codec import CodecSpec, row_layout, token_groups
 

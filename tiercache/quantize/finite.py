@@ -10,7 +10,7 @@ Interface (used by ``Quantize``)
     refuse_non_finite(key, value, describe)   the synchronous check (CPU updates, bulk ingest)
 
 One NaN would poison the scale of a whole quantization group, so the layer refuses them.
-Streams, events and pinned memory come from the device runtime (``tiercache.offload.runtime``:
+Streams, events and pinned memory come from the device runtime (``tiercache.runtime``:
 CUDA, or the simulated device of the CPU tests).
 - CPU (and any device without streams): ``max |x|`` over the new tokens is read at once (NaN and
   inf propagate); a bad update raises ``CacheError`` (``describe()`` says where) and changes
@@ -36,8 +36,8 @@ import math
 
 import torch
 
+from tiercache import runtime
 from tiercache.errors import CacheError
-from tiercache.offload import runtime
 
 
 def _worst(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

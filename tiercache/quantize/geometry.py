@@ -1,7 +1,7 @@
 """Where a quantized layer's tokens go: the KIVI residual rule and its store's size in blocks.
 
 Plain integer functions (no torch): ``Quantize`` (``quantize/processor.py``) runs by them, the
-chain spec (``tiercache.cache.chainspec``) sizes the inner store by them and the planner
+chain spec (``tiercache.planner.chainspec``) sizes the inner store by them and the planner
 (``tiercache.planner.footprint``) predicts bytes by them, so each rule is written once.
 
     flush_split(held, new, residual_length, group_size) -> int

@@ -14,7 +14,7 @@
     key_scores(q, rows, codec, out, skip) / value_mix(p, rows, codec, skip)
         the packed part alone (the fast kernel where it has the layout, else the torch reference)
 
-The math (the issue's, KIVI's). A key block quantized per channel is ``K[t, c] = code[t, c] *
+The math (KIVI's). A key block quantized per channel is ``K[t, c] = code[t, c] *
 s[c] + o[c]``, so ``q . K[t] = (q * s) . code[t] + q . o``: the scale is folded into the query
 and the offset into one term per block. Per token (``axis: token``, groups of ``g`` channels):
 ``q . K[t] = sum_j s[t, j] (q_j . code[t, j]) + sum_j o[t, j] sum(q_j)``. Values per token:

@@ -17,7 +17,7 @@ tail). Their ``__torch_function__``:
 - shape, dtype, device and other metadata: answered, nothing computed;
 - anything else (``repeat_kv`` of eager attention, a model that reads its K/V, another
   attention kernel): both are materialized once, by the layer's own dequantize-into-workspace
-  path (the reference), and the op runs on those tensors. Same results, the old cost.
+  path (the reference), and the op runs on those tensors: the same results, at that path's cost.
 
 So no model code, no attention registration and no user action is needed, and a model that does
 something else with its K/V still gets the right numbers. The values are valid as the workspace

@@ -6,7 +6,7 @@
         a decode step returns ``PackedKV`` and attention reads the codes (``quantize/packed_kv.py``)
 
 ``inner`` is the *store* (full / sliding / static, possibly offloaded), built by the chain
-builder from the chain spec's geometry (``tiercache.cache.chainspec``, ``quantize/geometry.py``): a
+builder from the chain spec's geometry (``tiercache.planner.chainspec``, ``quantize/geometry.py``): a
 sliding layer's store covers ``store_window(window, G)`` blocks, a static one
 ``static_rows(max_length, G)``, a full one is unbounded (a mismatch is refused). Quantize
 appends to it one "token" per block: a uint8 row ``[B, H, 1, row_bytes]`` for the keys and one

@@ -4,6 +4,8 @@ Registry
     NAMES                       backend names a policy may give
     validate(config, where)     ``PolicyError`` when the backend cannot do what the policy asks
                                 (bits, format) or its package is missing; imports no heavy package
+                                (both from ``tiercache.policy.backends``, the table of what each
+                                backend accepts, which the policy checks without this package)
     get(config) -> Backend      the backend object for a ``QuantizePolicy``
     for_tensor(backend, which)  the backend for ``"keys"`` / ``"values"`` (a backend's optional
                                 ``for_tensor`` hook, e.g. native's per-tensor ``clip``; else itself)
@@ -19,46 +21,21 @@ Backend interface (what ``tiercache.quantize.blocks`` uses)
         backend maps its own convention (zero point, shift) onto that one affine form, so one
         vectorized dequantization serves all.
 
-Each backend module defines ``PACKAGE`` (None or the import name checked with ``find_spec``),
-``check(config) -> str | None`` (what is unsupported, in words) and ``make(config) -> Backend``.
+Each backend module defines ``make(config) -> Backend``; what it supports (bits, formats, the
+package it needs) is its row of ``tiercache.policy.backends.SUPPORT``.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
-from tiercache.errors import PolicyError
+from tiercache.policy.backends import NAMES, validate
 
-NAMES = ("native", "quanto", "hqq")
+__all__ = ["NAMES", "for_tensor", "get", "validate"]
 
 
 def _module(name: str):
     return importlib.import_module(f"tiercache.quantize.backends.{name}")
-
-
-def _package_present(package: str) -> bool:
-    try:
-        return importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):  # a parent package missing or broken
-        return False
-
-
-def validate(config, where: str) -> None:
-    if config.backend not in NAMES:
-        raise PolicyError(f"{where}.backend: unknown backend {config.backend!r}; allowed: {', '.join(NAMES)}")
-    if getattr(config, "clip", "minmax") != "minmax" and (config.backend != "native" or config.format != "int"):
-        raise PolicyError(f"{where}.clip: {config.clip!r} is a native integer-format option (backend native, "
-                          f"format int); got backend {config.backend!r}, format {config.format!r}; use clip: minmax")
-    module = _module(config.backend)
-    problem = module.check(config)
-    if problem is not None:
-        raise PolicyError(f"{where}: backend {config.backend!r} {problem}")
-    if module.PACKAGE is not None and not _package_present(module.PACKAGE):
-        raise PolicyError(
-            f"{where}.backend: backend {config.backend!r} needs the package {module.PIP!r}, which is not "
-            f"installed (pip install {module.PIP}); or use backend: native"
-        )
 
 
 def get(config):

@@ -11,15 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tiercache.quantize.backends.grouping import as_rows, check_int_bits
-
-PACKAGE = "hqq"
-PIP = "hqq"
-BITS = (1, 2, 3, 4, 8)
-
-
-def check(config) -> str | None:
-    return check_int_bits(config, BITS)
+from tiercache.quantize.backends.grouping import as_rows
 
 
 class HQQ:

@@ -17,19 +17,7 @@ from __future__ import annotations
 
 import torch
 
-PACKAGE = None
-BITS = (2, 4, 8)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def check(config) -> str | None:
-    if config.format == "fp8":
-        if config.bits != 8:
-            return f"format 'fp8' is 8 bits (e4m3); set bits: 8, got bits {config.bits}"
-        return None
-    if config.bits not in BITS:
-        return f"supports bits {', '.join(map(str, BITS))} (format 'int') and bits 8 with format 'fp8'; got bits {config.bits}"
-    return None
 
 
 def minmax_affine(x: torch.Tensor, dim: int, bits: int, dtype: torch.dtype):

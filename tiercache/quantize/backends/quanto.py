@@ -12,15 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tiercache.quantize.backends.grouping import as_rows, check_int_bits
-
-PACKAGE = "optimum.quanto"
-PIP = "optimum-quanto"
-BITS = (2, 4)
-
-
-def check(config) -> str | None:
-    return check_int_bits(config, BITS)
+from tiercache.quantize.backends.grouping import as_rows
 
 
 class Quanto:
