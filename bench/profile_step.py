@@ -212,7 +212,8 @@ def profile_users(args, n: int) -> dict:
     _, worker = build(args.model, no_store=True, max_active=n, device="cpu")
     loop = EventLoop()
     try:
-        start_users(worker, loop, n, args.context, 4 * args.steps + 8, args.chars_per_token)
+        prefill_steps = n * (args.context // worker.prefill_chunk + 2)  # the first ones decode meanwhile
+        start_users(worker, loop, n, args.context, 4 * args.steps + 8 + prefill_steps, args.chars_per_token)
         measure(worker, 2)  # warm-up
         plain = measure(worker, args.steps)
         timers = Timers()
@@ -234,7 +235,8 @@ def profile_users(args, n: int) -> dict:
         rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:args.top]
         top_py = [{"function": f"{Path(f).name}:{line} {fn}", "own_ms": tt * 1e3 / args.steps, "calls": nc / args.steps,
                    "cumulative_ms": ct * 1e3 / args.steps} for (f, line, fn), (_, nc, tt, ct, _) in rows]
-        assert len(worker._active) == n, "a sequence ended during the profile"
+        if len(worker._active) != n:
+            raise SystemExit(f"profile: {n - len(worker._active)} sequence(s) ended during the profile")
     finally:
         loop.close()
     return {"users": n, "step_ms": statistics.median(plain) * 1e3, "step_ms_with_timers": statistics.median(with_timers) * 1e3,
@@ -279,6 +281,9 @@ def report(r: dict, live: dict | None) -> str:
         extra = live["period_ms"] - step
         lines.append(f"| event loop + HTTP (live server: token period {live['period_ms']:.1f} ms less the step) | "
                      f"{extra:.2f} | {extra / live['period_ms']:.0%} of the period | {extra / n:.2f} |")
+        if extra < 0:
+            lines.append("\n(negative: the live server's steps ran faster than the in-process ones; the machine's "
+                         "load changed between the two measurements, so this row means nothing here)")
     lines += ["", "torch.profiler, the operators with the most self CPU time:", "",
               "| operator | self ms per step | calls per step |", "|---|---:|---:|"]
     lines += [f"| {o['op']} | {o['self_ms']:.2f} | {o['calls']:.0f} |" for o in r["top_ops"]]
