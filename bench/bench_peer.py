@@ -209,7 +209,8 @@ def main(argv=None) -> int:
         except PeerUnavailable as e:
             print(f"SKIP: transformers serve cannot start, so there is nothing to compare with: {e}")
             return 0
-        ours = LiveServer("--model", MODEL, "--max-active", str(max(args.users)), log_dir=tmp, threads=args.threads)
+        ours = LiveServer("--model", MODEL, "--max-active", str(max(args.users)), log_dir=tmp, threads=args.threads,
+                          request_timeout=600.0)
         try:
             ours.wait_ready()
             print("tiercache serve:", flush=True)
