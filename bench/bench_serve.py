@@ -69,12 +69,14 @@ def user_texts(conversations: int, turns: int, chars: int) -> list[list[str]]:
     return [[text[(c * turns + t) * chars:(c * turns + t + 1) * chars] for t in range(turns)] for c in range(conversations)]
 
 
-def timed_turn(server, model: str, messages: list, max_tokens: int) -> dict:
-    """One streamed greedy answer: text, usage, TTFT and decode tokens/s."""
+def timed_turn(server, model: str, messages: list, max_tokens: int, extra_body: dict | None = None) -> dict:
+    """One streamed greedy answer: text, usage, TTFT and decode tokens/s (``cached``: None from a
+    server that reports no ``prompt_tokens_details``; ``extra_body``: fields beyond OpenAI's, e.g.
+    ``cache_salt``)."""
     start = time.perf_counter()
     stream = server.client().chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True})
+        stream_options={"include_usage": True}, extra_body=extra_body)
     first = last = None
     parts, usage = [], None
     for chunk in stream:
@@ -87,7 +89,7 @@ def timed_turn(server, model: str, messages: list, max_tokens: int) -> dict:
     end = last or time.perf_counter()
     n = usage.completion_tokens
     return {"text": "".join(parts), "ttft": (first or end) - start, "prompt": usage.prompt_tokens,
-            "cached": usage.prompt_tokens_details.cached_tokens, "tokens": n,
+            "cached": getattr(usage.prompt_tokens_details, "cached_tokens", None), "tokens": n,
             "decode": (n - 1) / (end - first) if first and n > 1 and end > first else None}
 
 

@@ -1,6 +1,6 @@
 """``LiveServer``: ``tiercache serve`` in a subprocess on 127.0.0.1 with a free port (tests, benchmarks).
 
-    s = LiveServer("--model", "tiny", "--no-store", log_dir=path).wait_ready()
+    s = LiveServer("--model", "tiny", "--no-store", log_dir=path).wait_ready()   # request_timeout=60 s (client())
     s.url; s.http (an httpx client); s.client() (an ``openai.OpenAI``); s.metrics() -> {name: value}
     s.stop() -> the log's tail            (SIGTERM: the server drains, saves, exits)
     s.signal(signal.SIGTERM); s.wait(timeout) -> exit code
@@ -29,8 +29,10 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, *flags, log_dir: Path, threads: int | None = 1, env: dict | None = None):
+    def __init__(self, *flags, log_dir: Path, threads: int | None = 1, env: dict | None = None,
+                 request_timeout: float = 60.0):
         self.port = free_port()
+        self.request_timeout = request_timeout  # seconds the openai client waits for one request
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_PROXY": "127.0.0.1", **(env or {})}
@@ -61,7 +63,8 @@ class LiveServer:
         if self._client is None:
             import openai
 
-            self._client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60,
+            self._client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                                         timeout=self.request_timeout,
                                          http_client=httpx.Client(trust_env=False))
         return self._client
 
