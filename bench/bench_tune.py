@@ -12,7 +12,10 @@ it): KLD against full precision, perplexity change, top-1 agreement, pass-key re
 ratios the targets name (tuned KLD over uniform's at int4's and int2's bytes; perplexity change
 over uniform int2's). Then the whole ``tiercache tune`` command once, at uniform int4's bytes, in a
 fresh process (``--no-cli`` skips it), for its wall and CPU time, and ``tiercache check`` once.
-Writes ``<out>/<model>.md`` / ``.json`` / ``.png``. Timings on a shared CPU are noisy: the CPU
+Writes ``<out>/<model>.md`` / ``.json`` / ``.png``, the sensitivity
+(``<model>.sensitivity.json``, read again with ``--reuse-calibration``), each tuned policy as tune
+writes it (``<model>-tuned-<budget>.yaml``) and the figures so far (``<model>.partial.json``).
+``--reference MODEL=POLICY`` measures a policy (e.g. a hand-made one) and tunes at its bytes too. Timings on a shared CPU are noisy: the CPU
 seconds say how much of the wall time was this run's own.
 """
 
@@ -90,6 +93,14 @@ def run_model(name: str, context: int, stretch: int, out: Path, cli: bool, passk
                 for p in list(uniforms.values()) + list(tuned.values()) + [ref_point] if p is not None and p.figures]
         partial.write_text(json.dumps({"calibration": calib, "rows": rows}, indent=1, default=str) + "\n")
 
+    def write_policy(point, label):  # as tiercache tune writes it: the header gives the measured figures
+        request = f"budget {budgets[label]} bytes ({label})"
+        final = Policy.from_dict({**point.policy.to_dict(), "name": f"tuned-{label}",
+                                  "description": f"tiercache tune: {name} at {context} tokens, {request}"})
+        lines = report.header(name, source, context, 1, request, point, None)
+        lines.insert(1, f"stretch {stretch} tokens scored; calibration {calib['wall_s']:.0f} s wall")
+        (out / f"{name}-tuned-{label}.yaml").write_text(report.policy_yaml(final, lines))
+
     def measure_uniform(b):
         u = uniforms[b]
         u.figures = verifier.measure(u.policy)
@@ -102,6 +113,7 @@ def run_model(name: str, context: int, stretch: int, out: Path, cli: bool, passk
                                       name=f"tuned@{label}")
         searches[label] = {"wall_s": time.monotonic() - t1, "cpu_s": time.process_time() - c1}
         tuned[label] = tried[0]  # the tuned point itself (the chosen one may be a uniform that measured better)
+        write_policy(tried[0], label)
         print(f"  tuned@{label} ({tried[0].bytes} B <= {budgets[label]}): {report.figures_text(tried[0].figures)}",
               flush=True)
         save_partial()
@@ -109,12 +121,13 @@ def run_model(name: str, context: int, stretch: int, out: Path, cli: bool, passk
     # what the targets compare first, so that a stopped run still holds them
     measure_uniform(4)
     measure_uniform(2)
+    tune_at("int4")
+    tune_at("int2")
     if ref_point is not None:
         ref_point.figures = verifier.measure(ref_point.policy)
         print(f"  {ref_point.name} ({ref_point.bytes} B): {report.figures_text(ref_point.figures)}", flush=True)
         save_partial()
-    for label in ("int4", "int2") + (("reference",) if ref_point is not None else ()):
-        tune_at(label)
+        tune_at("reference")
     measure_uniform(8)
     tune_at("int3")
     points = sorted(list(uniforms.values()) + list(tuned.values()) + ([ref_point] if ref_point else []),

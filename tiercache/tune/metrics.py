@@ -100,8 +100,9 @@ def passkey_found(model, tokenizer, cache, ids: torch.Tensor, key: str) -> bool:
     for _ in range(ANSWER_TOKENS):
         nxt = logits.argmax(-1, keepdim=True)  # [1, 1]
         answer.append(int(nxt))
-        digits = _digits(tokenizer.decode(answer).strip())
-        if not key.startswith(digits) or len(digits) < len(tokenizer.decode(answer).strip()):
+        text = tokenizer.decode(answer).lstrip()
+        digits = _digits(text)
+        if not key.startswith(digits) or len(digits) < len(text):
             break  # decided: the digits ended, or can no longer be the key
         logits = model(input_ids=nxt, **cache_arg(cache), use_cache=True).logits[:, -1]
     return _digits(tokenizer.decode(answer).strip()) == key
