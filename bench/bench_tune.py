@@ -55,7 +55,7 @@ def timed_command(argv: list[str]) -> tuple[int, float, float, str]:
 
 
 def run_model(name: str, context: int, stretch: int, out: Path, cli: bool, passkey: bool,
-              reference: str | None = None, reuse: bool = False) -> dict:
+              reference: str | None = None, reuse: bool = False, threads: int = 0) -> dict:
     model, tok = load_model(name)
     wins, source = text.windows(tok, None, context, 2)
     spec = ModelSpec.from_config(model.config)
@@ -148,12 +148,13 @@ def run_model(name: str, context: int, stretch: int, out: Path, cli: bool, passk
         d = out / f"{name}-cli"
         code, wall, cpu, tail = timed_command(["tune", "--model", name, "--context", str(context), "--budget", "int4",
                                                "--stretch", str(stretch), "--out", str(d / "tuned.yaml"),
-                                               "--no-progress"] + ([] if passkey else ["--no-passkey"]))
+                                               "--no-progress", "--threads", str(threads)]
+                                              + ([] if passkey else ["--no-passkey"]))
         meta["tune_command"] = {"exit": code, "wall_s": wall, "cpu_s": cpu}
         print(f"  tiercache tune (whole command, budget int4): exit {code}, {wall:.1f} s wall, {cpu:.1f} s CPU", flush=True)
         if code == 0:
             code, wall, cpu, _ = timed_command(["check", str(d / "tuned.yaml"), "--model", name, "--context",
-                                                str(context), "--stretch", str(stretch)])
+                                                str(context), "--stretch", str(stretch), "--threads", str(threads)])
             meta["check_command"] = {"exit": code, "wall_s": wall, "cpu_s": cpu}
             print(f"  tiercache check: exit {code}, {wall:.1f} s wall, {cpu:.1f} s CPU", flush=True)
         else:
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (a shared machine: timings are noisy)")
     refs = dict(r.split("=", 1) for r in args.reference)
     summary = {m: run_model(m, c, args.stretch, out, not args.no_cli, not args.no_passkey, refs.get(m),
-                            args.reuse_calibration) for m, c in zip(models, contexts)}
+                            args.reuse_calibration, args.threads) for m, c in zip(models, contexts)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     return 0
 
