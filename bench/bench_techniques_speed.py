@@ -39,12 +39,8 @@ CACHES = {
     "int2 (today)": {**K, "bits": 2},
     "int2 +sinks +clip": {**K, "bits": 2, "sink_tokens": 4, "clip": "mse"},
     "int2 +sinks": {**K, "bits": 2, "sink_tokens": 4},
-    "int2-keys": "smollm2-135m/int2-keys.yaml",  # int2 + sinks, int4 keys on 7 layers (values on 1)
     "int4 +sinks": "int4-sinks.yaml",
     "int4 +sinks meta8": {**K, "bits": 4, "sink_tokens": 4, "meta_bits": 8},  # scales and offsets as bytes
-    "int4-sinks-k8": "smollm2-135m/int4-sinks-k8.yaml",  # meta8, int8 keys on 3 layers: int4-sinks' bytes
-    "int2-keys-joint7": "smollm2-135m/int2-keys-joint7.yaml",  # meta8, 7 int4 tensors: int2-sinks' bytes
-    "int2-keys-joint7-late-gain": "smollm2-135m/int2-keys-joint7-late-gain.yaml",  # the same, key_gain 1.2 on 6 layers
 }
 
 

@@ -37,7 +37,7 @@ from tiercache.models.load import load_model  # noqa: E402
 
 G = 64
 SHRINKS = [1.0 - 0.05 * i for i in range(11)]  # the range search: min/max shrunk about its middle
-INT2_KEYS = "configs/smollm2-135m/int2-keys.yaml"
+INT2_KEYS = "bench/reference/smollm2-135m-int2-keys-joint7-late-gain.yaml"  # hand-made: int2, 4 sinks, 7 int4 tensors
 QUIET_VALUES = (1, 2, 3, 4, 7, 8, 10, 11, 12, 13, 16, 24, 25, 26, 27, 29)  # least int4-value gain on train text
 SCHEMES = {
     "int2": {},
@@ -52,9 +52,9 @@ SCHEMES = {
     "K3V1 +sinks +clipV": {"sinks": 4, "key_bits": 3, "value_bits": 1, "clip": "mse-values"},
     "K3V1 +sinks +clipV +Hadamard(V)": {"sinks": 4, "key_bits": 3, "value_bits": 1, "clip": "mse-values",
                                          "hadamard": True},
-    "int2-keys": {"sinks": 4, "policy": INT2_KEYS},
-    "int2-keys +V1 on 16 quiet layers": {"sinks": 4, "policy": INT2_KEYS, "v1": QUIET_VALUES},
-    "int2-keys +V1 on 16 quiet layers +clipV": {"sinks": 4, "policy": INT2_KEYS, "v1": QUIET_VALUES,
+    "int2-keys-joint7": {"sinks": 4, "policy": INT2_KEYS},
+    "int2-keys-joint7 +V1 on 16 quiet layers": {"sinks": 4, "policy": INT2_KEYS, "v1": QUIET_VALUES},
+    "int2-keys-joint7 +V1 on 16 quiet layers +clipV": {"sinks": 4, "policy": INT2_KEYS, "v1": QUIET_VALUES,
                                                 "clip": "mse-values"},
     "int4 +sinks +clip": {"sinks": 4, "bits": 4, "clip": "mse"},
     "K8V4 +sinks +clip": {"sinks": 4, "bits": 4, "key_bits": 8, "clip": "mse"},

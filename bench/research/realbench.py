@@ -43,7 +43,6 @@ SETUPS = {
     "int2 +clip": ("int2, clipping search alone", {**K, "bits": 2, "clip": "mse"}),
     "int2 +sinks": ("int2, 4 sink tokens exact", {**K, "bits": 2, "sink_tokens": 4}),
     "int2 +sinks +clip": ("int2, 4 sinks, clipping search", {**K, "bits": 2, "sink_tokens": 4, "clip": "mse"}),
-    "int2-mixed": ("int2 sinks+clip, the 4 most sensitive layers int4", "smollm2-135m/int2-mixed.yaml"),
 }
 DEFAULT = tuple(SETUPS)
 # ablations, run on request (--setups): one technique changed at a time
@@ -62,34 +61,15 @@ SETUPS.update({
     "int2 +16 sinks +clipV": ("int2, 16 sinks, clipping on values", {**S2, "sink_tokens": 16, "clip": "mse-values"}),
     "int2 +sinks +clip +V/channel": ("int2, 4 sinks, clipping search, values per channel",
                                      {**S2, "clip": "mse", "value_axis": "channel"}),
-    "int2-mixed +clipV": ("int2-mixed with the clipping search on values only", "smollm2-135m/int2-mixed-values.yaml"),
     "int2 +sinks +clipV +V/channel": ("int2, 4 sinks, clipping on values, values per channel",
                                       {**S2, "clip": "mse-values", "value_axis": "channel"}),
     "int2 +sinks K4 everywhere": ("int2 values, int4 keys on every layer, 4 sinks", {**S2, "key_bits": 4}),
     "int2 +sinks V4 everywhere": ("int4 values, int2 keys on every layer, 4 sinks", {**S2, "value_bits": 4}),
-    "int2-keys": ("int2, 4 sinks, int4 on the 8 (layer, keys or values) the upgrade search picked",
-                  "smollm2-135m/int2-keys.yaml"),
     "int4 +sinks +clip +K8 on 4 layers": ("int4, 4 sinks, clipping, int8 keys on layers 17, 18, 20, 23",
                                           {"name": "int4-k8", "quantize": {**S4, "clip": "mse"},
                                            "overrides": [{"layers": [17, 18, 20, 23], "quantize": {"key_bits": 8}}]}),
-    "int2-keys-retrieval": ("int2, 4 sinks, int4 on the 8 tensors the retrieval-objective search picked",
-                            "smollm2-135m/int2-keys-retrieval.yaml"),
-    "int2-keys-both": ("int2, 4 sinks, int4 on the 8 tensors of the summed text and retrieval gains",
-                       "smollm2-135m/int2-keys-both.yaml"),
-    "int2-keys-both12": ("int2, 4 sinks, int4 on the 12 tensors of the summed text and retrieval gains",
-                         "smollm2-135m/int2-keys-both12.yaml"),
-    "int2-keys-top4": ("int2, 4 sinks, int4 keys on the search's top 4 layers (17, 18, 20, 23)",
-                       "smollm2-135m/int2-keys-top4.yaml"),
-    "int2-keys-joint": ("int2, 4 sinks, int4 on the 8 tensors picked greedily for text and retrieval together",
-                        "smollm2-135m/int2-keys-joint.yaml"),
-    "int2-keys-joint12": ("int2, 4 sinks, int4 on the 12 tensors of the joint search gone on to 12 picks",
-                          "smollm2-135m/int2-keys-joint12.yaml"),
     "int4 +sinks meta8": ("int4, 4 sinks, scales and offsets as bytes (meta_bits 8)", {**S4, "meta_bits": 8}),
     "int2 +sinks meta8": ("int2, 4 sinks, scales and offsets as bytes (meta_bits 8)", {**S2, "meta_bits": 8}),
-    "int4-sinks-k8": ("int4, 4 sinks, int8 keys on layers 18, 20, 23, meta_bits 8: the bytes of int4 + sinks",
-                      "smollm2-135m/int4-sinks-k8.yaml"),
-    "int2-keys-joint7": ("int2, 4 sinks, int2-keys-joint's first 7 picks, meta_bits 8: the bytes of int2 + sinks",
-                         "smollm2-135m/int2-keys-joint7.yaml"),
 })
 
 

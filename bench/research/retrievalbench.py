@@ -40,16 +40,6 @@ SETUPS = {
     "int2-kivi": "int2-kivi.yaml",
     "int2-sinks": "int2-sinks.yaml",
     "int2 +sinks +clip": {**_K, "bits": 2, "sink_tokens": 4, "clip": "mse"},
-    "int2-mixed": "smollm2-135m/int2-mixed.yaml",
-    "int2-keys": "smollm2-135m/int2-keys.yaml",
-    "int2-keys-top4": "smollm2-135m/int2-keys-top4.yaml",
-    "int2-keys-retrieval": "smollm2-135m/int2-keys-retrieval.yaml",
-    "int2-keys-both": "smollm2-135m/int2-keys-both.yaml",
-    "int2-keys-both12": "smollm2-135m/int2-keys-both12.yaml",
-    "int2-keys-joint": "smollm2-135m/int2-keys-joint.yaml",
-    "int2-keys-joint12": "smollm2-135m/int2-keys-joint12.yaml",
-    "int4-sinks-k8": "smollm2-135m/int4-sinks-k8.yaml",
-    "int2-keys-joint7": "smollm2-135m/int2-keys-joint7.yaml",
 }
 DEFAULT = tuple(SETUPS)
 

@@ -59,3 +59,53 @@ def test_passkey_samples_place_the_key_at_each_depth():
         assert text.endswith("assert PASS_KEY == ")
     with pytest.raises(ValueError, match="too short"):
         metrics.passkey_samples(tok, filler, 40)
+
+
+class _Scripted:
+    """A stand-in model: call ``c`` (the prefill is call 0) puts the most weight on ``answer[c]``."""
+
+    def __init__(self, answer: list[int], vocab: int = 300):
+        self.answer, self.vocab, self.calls = answer, vocab, 0
+        self.device = torch.device("cpu")
+
+    def __call__(self, input_ids, **kw):
+        import types
+
+        logits = torch.zeros(1, input_ids.shape[1], self.vocab)  # [1, T, V]
+        logits[0, -1, self.answer[min(self.calls, len(self.answer) - 1)]] = 1.0
+        self.calls += 1
+        return types.SimpleNamespace(logits=logits)
+
+
+@pytest.mark.parametrize("answer, found, calls", [
+    ("48213\n", True, 6),   # the prefill, then one call per digit: the newline decides
+    ("48219\n", False, 5),  # the last digit is wrong: no call after it
+    ("7", False, 1),        # the first digit is wrong: decided by the prefill's answer
+    ("482130", False, 6),   # more digits than the key: not the key
+])
+def test_passkey_answer_stops_once_decided(answer, found, calls):
+    tok = ByteTokenizer()
+    model = _Scripted(tok.encode(answer))
+    ids = torch.tensor(tok.encode("x = 1\n"), dtype=torch.long)
+    assert metrics.passkey_found(model, tok, None, ids, "48213") is found
+    assert model.calls == calls
+
+
+def test_passkey_text_when_full_precision_found_none():
+    f = metrics.Figures(0.0, 0.0, 1.0, 1.0, 0.0, 1.0, None, (0, 3))
+    assert f.passkey_text() == "- (fp 0/3)"
+
+
+def test_verifier_skips_the_probe_where_full_precision_finds_no_key():
+    from tiercache.models.load import load_model
+    from tiercache.policy.schema import Policy
+    from tiercache.tune.text import windows
+    from tiercache.tune.verify import Verifier
+
+    model, tok = load_model("tiny")
+    wins, _ = windows(tok, None, 384, 2)
+    v = Verifier(model, tok, wins[-1], 16)
+    assert v.passkey_ref == (0, 3)  # the tiny model retrieves none at full precision
+    assert v.samples == [] and v.forwards() == 16
+    f = v.measure(Policy.from_dict({"quantize": {"bits": 2, "group_size": 32, "residual_length": 32}}))
+    assert f.passkey is None and f.passkey_ref == (0, 3) and f.kld > 0

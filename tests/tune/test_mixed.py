@@ -13,7 +13,7 @@ from tiercache.planner import mixed
 from tiercache.policy.schema import Policy
 
 BASE = {"backend": "native", "group_size": 64, "residual_length": 128, "key_axis": "channel",
-        "value_axis": "token", "format": "int", "sink_tokens": 0, "clip": "minmax"}
+        "value_axis": "token", "format": "int", "sink_tokens": 0}
 
 
 def sens(keys=None, values=None, variants=()):
@@ -113,3 +113,50 @@ def test_a_budget_of_exactly_the_smallest_choice_fits_it(spec):
     choice, pred, _ = mixed.fit(s, base, spec, 1, 2048, limit)
     assert set(choice.values()) == {mixed.Option(2, 2)}
     assert mixed.fit(s, base, spec, 1, 2048, limit - 1) is None
+
+
+def test_variants_of_metadata_and_group_size_round_trip_and_cost_fewer_bytes(tmp_path, spec):
+    v = {"sink_tokens": 0, "residual_length": 128, "meta_bits": 8, "group_size": 128, "scale": {8: 1.5, 4: 1.5, 2: 1.2}}
+    s = sens(variants=[v])
+    s.save(tmp_path / "s.json")
+    back = mixed.Sensitivity.load(tmp_path / "s.json")
+    assert back.variants == s.variants
+    plain, packed = back.each()
+    assert packed.base["meta_bits"] == 8 and packed.base["group_size"] == 128
+    assert packed.values[2][2] == pytest.approx(1.2 * 0.003)
+    base = Policy.from_dict({"name": "b"})
+    small = {l: mixed.Option(2, 2) for l in s.layers}
+    # one-byte metadata in groups of 128: the same bits in fewer bytes, which the knapsack can spend
+    assert sum(mixed.layer_costs(packed, spec, 1, 2048, base)[mixed.Option(2, 2)]) < \
+        sum(mixed.layer_costs(plain, spec, 1, 2048, base)[mixed.Option(2, 2)])
+    p = mixed.policy_of(base, packed, small)
+    assert p.quantize.meta_bits == 8 and p.quantize.group_size == 128
+
+
+def test_a_variant_of_an_unknown_field_is_refused(tmp_path):
+    s = sens(variants=[{"sink_tokens": 0, "residual_length": 128, "scale": {8: 1, 4: 1, 2: 1}}])
+    data = s.to_json()
+    data["variants"][0]["bits"] = 3
+    (tmp_path / "s.json").write_text(json.dumps(data))
+    with pytest.raises(PolicyError, match="allowed"):
+        mixed.Sensitivity.load(tmp_path / "s.json")
+
+
+def test_policy_wide_choices_keep_the_residual_at_least_a_group():
+    from tiercache.tune import calibrate
+
+    combos = calibrate.policy_wide(dict(calibrate.DEFAULT_BASE))
+    assert all(c["residual_length"] >= c["group_size"] for c in combos)
+    assert {c["meta_bits"] for c in combos} == {None, 8} and {c["group_size"] for c in combos} == {64, 128}
+    assert len(calibrate.policy_wide(dict(calibrate.DEFAULT_BASE), sinks=4, residual=128)) == 4
+
+
+def test_an_older_base_with_clip_at_the_top_level_writes_it_under_experimental(spec):
+    import warnings
+
+    s = sens()
+    s.base = {**BASE, "clip": "minmax"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        p = mixed.policy_of(Policy.from_dict({"name": "b"}), s, {l: mixed.Option(4, 2) for l in s.layers})
+    assert p.quantize.clip == "minmax" and p.quantize.value_bits == 2

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tiercache.errors import PolicyError
+from tiercache.policy.fields import to_plain
 from tiercache.policy.schema import OffloadPolicy, Policy, QuantizePolicy
 
 # name, bits (None: full precision), offload device (None: resident)
@@ -72,7 +73,7 @@ def _rung_policy(auto: Policy, name: str, bits: int | None, where: str | None) -
         data["quantize"] = None
     else:
         base = auto.quantize or QuantizePolicy()
-        data["quantize"] = {**base.__dict__, "bits": bits, "format": "int", "key_bits": None, "value_bits": None,
+        data["quantize"] = {**to_plain(base), "bits": bits, "format": "int", "key_bits": None, "value_bits": None,
                             "key_axis": "channel", "value_axis": "token"}
     if where is None:
         data["offload"] = None

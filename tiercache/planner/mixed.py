@@ -9,8 +9,10 @@ Interface
                                     (values) are quantized at those bits
         .base                       the quantize section the formats share (group size, residual, sinks, axes)
         .variants                   policy-wide choices measured beside the base: ``[{"sink_tokens",
-                                    "residual_length", "scale": {bits: factor}}]``, each part's KLD at
-                                    those bits times ``factor`` (a uniform forward's ratio to the base's)
+                                    "residual_length", ["meta_bits", "group_size",] "scale": {bits: factor}}]``,
+                                    each part's KLD at those bits times ``factor`` (a uniform forward's
+                                    ratio to the base's); the fields other than ``scale`` (``VARIANT_FIELDS``)
+                                    replace the base's
         .each() -> [Sensitivity]    the base and every variant as a table of its own
         .meta                       where it came from (model, text, context, stretch, seconds)
         .to_json() / Sensitivity.load(path) / .save(path)
@@ -48,6 +50,7 @@ from tiercache.errors import PolicyError
 from tiercache.policy.schema import Policy
 
 FORMAT_VERSION = 1
+VARIANT_FIELDS = ("sink_tokens", "residual_length", "meta_bits", "group_size")  # what a variant may set
 
 
 class Option(NamedTuple):
@@ -73,7 +76,7 @@ class Sensitivity:
     values: dict[int, dict[int, float]]
     base: dict  # a quantize section (QuantizePolicy fields): group_size, residual_length, sink_tokens, axes
     meta: dict = field(default_factory=dict)
-    variants: list = field(default_factory=list)  # [{"sink_tokens", "residual_length", "scale": {bits: factor}}]
+    variants: list = field(default_factory=list)  # [{VARIANT_FIELDS..., "scale": {bits: factor}}]
 
     def each(self) -> list["Sensitivity"]:
         """The base table and one scaled table per variant (its ``base`` the variant's sinks and residual)."""
@@ -82,7 +85,7 @@ class Sensitivity:
             f = {int(b): float(x) for b, x in v["scale"].items()}
             scaled = {w: {l: {b: k * f[b] for b, k in d.items()} for l, d in t.items()}
                       for w, t in (("keys", self.keys), ("values", self.values))}
-            base = {**self.base, "sink_tokens": int(v["sink_tokens"]), "residual_length": int(v["residual_length"])}
+            base = {**self.base, **{k: v[k] for k in VARIANT_FIELDS if k in v}}
             if base != self.base:
                 out.append(Sensitivity(self.layers, self.bits, scaled["keys"], scaled["values"], base, self.meta))
         return out
@@ -111,8 +114,13 @@ class Sensitivity:
                     if set(table.get(l, {})) != set(bits):
                         raise PolicyError(f"{where}: {which} of layer {l} has bits {sorted(table.get(l, {}))}, "
                                           f"expected {sorted(bits)}")
-            variants = [{"sink_tokens": int(v["sink_tokens"]), "residual_length": int(v["residual_length"]),
-                         "scale": {int(b): float(x) for b, x in v["scale"].items()}} for v in data.get("variants", [])]
+            variants = []
+            for v in data.get("variants", []):
+                unknown = set(v) - set(VARIANT_FIELDS) - {"scale"}
+                if unknown:
+                    raise PolicyError(f"{where}: a variant sets {sorted(unknown)}; allowed: {list(VARIANT_FIELDS)}")
+                variants.append({**{k: (None if v[k] is None else int(v[k])) for k in VARIANT_FIELDS if k in v},
+                                 "scale": {int(b): float(x) for b, x in v["scale"].items()}})
             for v in variants:
                 if set(v["scale"]) != set(bits):
                     raise PolicyError(f"{where}: a variant scales bits {sorted(v['scale'])}, expected {sorted(bits)}")
@@ -151,7 +159,14 @@ def predicted(sens: Sensitivity, choice: dict[int, Option]) -> float:
 def _quantize_section(sens: Sensitivity, option: Option) -> dict | None:
     if option.exact:
         return None
-    return {**sens.base, "bits": option.key_bits, "key_bits": option.key_bits, "value_bits": option.value_bits}
+    from tiercache.policy.fields import EXPERIMENTAL, experimental_fields
+    from tiercache.policy.schema import QuantizePolicy
+
+    section = {**sens.base, "bits": option.key_bits, "key_bits": option.key_bits, "value_bits": option.value_bits}
+    extra = {k: section.pop(k) for k in experimental_fields(QuantizePolicy) if k in section}
+    if extra:  # a base written with an experimental field at the top level (older files): its own mapping
+        section[EXPERIMENTAL] = {**extra, **section.get(EXPERIMENTAL, {})}
+    return section
 
 
 def policy_of(base: Policy, sens: Sensitivity, choice: dict[int, Option], name: str | None = None,

@@ -15,9 +15,12 @@ Interface
   A dataclass with a ``from_plain(value, path)`` classmethod is built by it (its own defaults and
   cross-field checks), which builds its fields with ``build_fields``. Field metadata: ``secret``
   (errors never show the value), ``example`` (shown when a required field is missing), ``derived``
-  (set by the code, never read from input).
+  (set by the code, never read from input), ``experimental`` (read from the section's
+  ``experimental:`` mapping, ``EXPERIMENTAL``; written there by ``to_plain`` when not the default;
+  the field given at the section's top level is still read, with a ``DeprecationWarning``).
 - ``read_yaml(path, what)``: a YAML file's data; a key given twice in one mapping is refused.
-- ``to_plain(obj)``: the inverse, plain dicts / lists / ints (``UNSET`` fields left out).
+- ``to_plain(obj)``: the inverse, plain dicts / lists / ints (``UNSET`` fields left out,
+  ``experimental`` fields under ``experimental:`` when they differ from their default).
 
 The config modules (``tiercache.policy.schema``, ``tiercache.serve.config``, ``tiercache.serve.tenants``)
 declare the dataclasses and their cross-field checks; this one only walks type hints, so no field
@@ -31,6 +34,7 @@ import math
 import re
 import types
 import typing
+import warnings
 from typing import Any, Literal
 
 from tiercache.errors import PolicyError
@@ -44,6 +48,7 @@ class _Unset:
 
 
 UNSET: Any = _Unset()
+EXPERIMENTAL = "experimental"  # the mapping that holds a section's ``experimental`` fields
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -197,15 +202,52 @@ def build(tp, value, path: str):
     raise TypeError(f"policy loader: unsupported field type {tp!r} at {path}")
 
 
+def experimental_fields(tp) -> list[str]:
+    """The fields of ``tp`` read from its ``experimental:`` mapping."""
+    return [f.name for f in _input_fields(tp) if f.metadata.get("experimental")]
+
+
+def _lift_experimental(tp, value: dict, path: str) -> dict:
+    """``value`` with its ``experimental:`` mapping's fields at the top level (the dataclass's own
+    layout); the old top-level spelling of such a field is read too, with a DeprecationWarning."""
+    names = experimental_fields(tp)
+    if not names:
+        return value
+    value = dict(value)
+    for k in names:
+        if k in value:
+            warnings.warn(f"{path}.{k}: an experimental field; write it under {path}.{EXPERIMENTAL} "
+                          f"(the top-level spelling will be removed)", DeprecationWarning, stacklevel=4)
+    if EXPERIMENTAL not in value:
+        return value
+    sub = value.pop(EXPERIMENTAL)
+    if sub is None:
+        return value
+    if not isinstance(sub, dict):
+        raise PolicyError(f"{path}.{EXPERIMENTAL}: expected a mapping of {', '.join(names)}, got {sub!r}")
+    for k, v in sub.items():
+        if k not in names:
+            raise PolicyError(f"{path}.{EXPERIMENTAL}.{k}: unknown field; allowed: {', '.join(names)}")
+        if k in value:
+            raise PolicyError(f"{path}.{k}: given both at the top level and under {EXPERIMENTAL}; keep the "
+                              f"{EXPERIMENTAL} one")
+        value[k] = v
+    return value
+
+
 def build_fields(tp, value, path: str):
     """The dataclass ``tp`` from the mapping ``value``, field by field (no ``from_plain`` hook)."""
     if not isinstance(value, dict):
         raise PolicyError(f"{path}: expected {describe(tp)}, got {value!r}")
+    value = _lift_experimental(tp, value, path)
     hints = typing.get_type_hints(tp)
     fields = {f.name: f for f in _input_fields(tp)}
     for key in value:
         if key not in fields:
-            raise PolicyError(f"{path}.{key}: unknown field; allowed: {', '.join(fields)}")
+            allowed = [n for n, f in fields.items() if not f.metadata.get("experimental")]
+            if len(allowed) < len(fields):
+                allowed.append(f"{EXPERIMENTAL} ({', '.join(experimental_fields(tp))})")
+            raise PolicyError(f"{path}.{key}: unknown field; allowed: {', '.join(allowed)}")
     for name, f in fields.items():
         if name not in value and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             example = f.metadata.get("example")
@@ -275,8 +317,19 @@ def _unique_key_loader():
 
 def to_plain(obj):
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                if getattr(obj, f.name) is not UNSET}
+        out, extra = {}, {}
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if v is UNSET:
+                continue
+            if f.metadata.get("experimental"):
+                if v != f.default:
+                    extra[f.name] = to_plain(v)
+            else:
+                out[f.name] = to_plain(v)
+        if extra:
+            out[EXPERIMENTAL] = extra
+        return out
     if isinstance(obj, tuple):
         return [to_plain(v) for v in obj]
     if isinstance(obj, dict):

@@ -12,6 +12,10 @@ Choices where DESIGN.md is silent
   ``layer_type``) with an ``offload`` section: they are small, and offloading them is slower.
 - ``offload.path`` defaults to the system temp directory for ``device: disk``.
 - ``bits: 8`` with ``format: fp8`` selects e4m3 floating point (native backend only).
+- ``experimental:`` inside a quantize section holds the knobs that served hand tuning and that
+  ``tiercache tune`` does not search: ``key_gain`` and ``clip`` (``fields.py``'s ``experimental``
+  metadata). Written at the section's top level they are still read, with a DeprecationWarning.
+  An override's ``experimental`` mapping is merged over the top-level one's, key by key.
 - ``key_gain`` (default 1.0: off) multiplies the keys attention reads of the packed tokens (not
   the sinks, not the residual): a quantized context loses attention against the exact tokens,
   which a gain above 1 gives back (docs/quality-study.md, "A gain on the quantized keys"). A number in (0, 4].
@@ -28,7 +32,7 @@ Choices where DESIGN.md is silent
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,13 +55,16 @@ class QuantizePolicy:
     value_axis: Literal["channel", "token"] = "token"
     format: Literal["int", "fp8"] = "int"
     sink_tokens: int = 0  # the first tokens seen stay in full precision (attention sinks); full-attention layers
-    clip: Literal["minmax", "mse", "mse-values", "mse-keys"] = "minmax"  # per-group range: min/max, or searched for
-    # least squared error (mse: keys and values; mse-values / mse-keys: that tensor only, the other min/max)
+    # experimental (under ``quantize.experimental:``; tiercache tune does not search them): the per-group
+    # range, min/max or searched for least squared error (mse: keys and values; mse-values / mse-keys: that
+    # tensor only, the other min/max)
+    clip: Literal["minmax", "mse", "mse-values", "mse-keys"] = field(default="minmax", metadata={"experimental": True})
     key_bits: int | None = None  # the keys' bits when not ``bits`` (keys are the sensitive half: e.g. 4 on a few layers)
     value_bits: int | None = None  # the values' bits when not ``bits``
     meta_bits: int | None = None  # each group's scale and offset: None in the model dtype; 8 as one byte each
     # on grids of the block (quantize/metacodes.py): 0.27 bits per element for groups of 64 instead of 0.5 in bf16
-    key_gain: float = 1.0  # attention reads the packed keys times this (1.0: as given); no bytes, no cost per step
+    # experimental: attention reads the packed keys times this (1.0: as given); no bytes, no cost per step
+    key_gain: float = field(default=1.0, metadata={"experimental": True})
     packed_attention: bool = True  # decode steps attend over the packed codes (quantize/packed_kv.py); false:
     # dequantize into a workspace, then the model's attention (the reference path); not part of the block format
 
@@ -268,9 +275,24 @@ def _merge_override_quantize(data: dict) -> dict:
     merged = []
     for o in overrides:
         if isinstance(o, dict) and isinstance(o.get("quantize"), dict):
-            o = {**o, "quantize": {**base, **o["quantize"]}}
+            o = {**o, "quantize": _merge_quantize(base, o["quantize"])}
         merged.append(o)
     return {**data, "overrides": merged}
+
+
+def _merge_quantize(base: dict, over: dict) -> dict:
+    """An override's quantize mapping over the top-level one; their ``experimental`` mappings merged
+    key by key, whichever spelling (top level or ``experimental``) the override uses winning."""
+    from tiercache.policy.fields import EXPERIMENTAL
+
+    out = {**base, **over}
+    b, o = base.get(EXPERIMENTAL), over.get(EXPERIMENTAL)
+    if isinstance(b, dict) and (o is None and EXPERIMENTAL not in over or isinstance(o, dict)):
+        out[EXPERIMENTAL] = {k: v for k, v in {**b, **(o or {})}.items() if k not in over}
+    for k in o if isinstance(o, dict) else ():
+        if k in base and k not in over:
+            out.pop(k)  # the top-level (old) spelling inherited from the base, replaced by the override's
+    return out
 
 
 def _sections(p: Policy, field: str, where: str = "policy"):

@@ -24,15 +24,16 @@ How it measures (and why so)
   a small perturbation is quadratic in it, so each part's int8 KLD is estimated as its int4 KLD /
   289, then rescaled so that their sum matches one measured forward with every layer at int8: a
   first-order estimate checked on the whole, one forward instead of ``2 L``.
-- Sinks and residual are policy-wide choices (``SINK_CHOICES`` x ``RESIDUAL_CHOICES``, unless
-  fixed by the caller): the per-layer table is measured once, at the base's (no sinks, residual
-  128); each other pair costs one forward per measured bits with every layer at those bits, and
-  its table is the base's scaled by that forward's KLD over the base's
-  (``Sensitivity.variants``). The search runs the knapsack on each and keeps the best, each
-  pair's bytes from the planner. Group size and axes stay the base's (groups of 64, keys per
-  channel and values per token: KIVI's, the planner's uniform formats'): the per-layer table
-  would have to be measured again for each, which the time target does not allow on 2 cores.
-- On SmolLM2-135M at 4k: 30 layers, 121 + 12 stretch forwards of 128 tokens, against 180
+- Sinks, residual, the metadata's width and the group size are policy-wide choices
+  (``policy_wide``: ``SINK_CHOICES`` x ``RESIDUAL_CHOICES`` x ``META_CHOICES`` x ``GROUP_CHOICES``,
+  sinks / residual fixed when the caller says): the per-layer table is measured once, at the
+  base's (no sinks, residual 128, metadata in the model dtype, groups of 64); each other choice
+  costs one forward per measured bits with every layer at those bits, and its table is the base's
+  scaled by that forward's KLD over the base's (``Sensitivity.variants``). The search runs the
+  knapsack on each and keeps the best, each choice's bytes from the planner: one-byte metadata
+  or groups of 128 free bytes that the knapsack spends on more bits where they matter most.
+  Axes stay KIVI's (keys per channel, values per token).
+- On SmolLM2-135M at 4k: 30 layers, 121 + ~40 stretch forwards of 128 tokens, against 180
   forwards for every (layer, tensor, bits) and ~180 prefills of 4k for one full run per part.
 """
 
@@ -51,8 +52,10 @@ from tiercache.tune.metrics import PREFILL_CHUNK, kld, log_probs
 BITS = (8, 4, 2)
 SINK_CHOICES = (0, 4)
 RESIDUAL_CHOICES = (64, 128, 256)
+META_CHOICES = (None, 8)  # each group's scale and offset in the model dtype, or one byte each (meta_bits)
+GROUP_CHOICES = (64, 128)  # tokens (values: elements) per group: 128 halves the metadata
 DEFAULT_BASE = {"backend": "native", "group_size": 64, "residual_length": 128, "key_axis": "channel",
-                "value_axis": "token", "format": "int", "sink_tokens": 0, "clip": "minmax"}
+                "value_axis": "token", "format": "int", "sink_tokens": 0}
 INT8_FROM_INT4 = (15 / 255) ** 2  # KLD ratio of a quadratic response to the quantization step
 
 
@@ -60,9 +63,26 @@ class TimeBudgetExceeded(RuntimeError):
     """The calibration (or the search) ran past ``--time-budget``."""
 
 
+def policy_wide(base: dict, sinks: int | None = None, residual: int | None = None) -> list[dict]:
+    """Every policy-wide choice (sinks x residual x metadata x group size) the base is measured
+    against, as quantize fields; ``sinks`` / ``residual`` fixed when given. A residual shorter than
+    the group is left out (the KIVI rule flushes whole groups: it would be the group's length)."""
+    out = []
+    for s_ in SINK_CHOICES if sinks is None else (sinks,):
+        for r in RESIDUAL_CHOICES if residual is None else (residual,):
+            for m in META_CHOICES:
+                for g in GROUP_CHOICES:
+                    if r < g:
+                        continue
+                    out.append({"sink_tokens": s_, "residual_length": r, "meta_bits": m, "group_size": g})
+    return out
+
+
 def trials(num_layers: int, bits=BITS, sinks: int | None = None, residual: int | None = None) -> int:
     measured = [b for b in bits if b != 8] if 8 in bits and 4 in bits else list(bits)
-    combos = (len(SINK_CHOICES) if sinks is None else 1) * (len(RESIDUAL_CHOICES) if residual is None else 1)
+    base = {**DEFAULT_BASE, **({} if sinks is None else {"sink_tokens": sinks}),
+            **({} if residual is None else {"residual_length": residual})}
+    combos = len(policy_wide(base, sinks, residual))
     scale_bits = len([b for b in bits if b != 8] or bits)
     return (2 * num_layers * len(measured) + (1 if 8 in bits and 4 in bits else 0)
             + (combos * scale_bits if combos > 1 else 0))
@@ -168,28 +188,26 @@ def calibrate(model, ids: torch.Tensor, stretch: int, base: dict | None = None, 
                 table[w][l][8] = guess[w][l] * scale
         meta["int8_uniform_measured"] = whole8
     variants = []
-    sink_choices = SINK_CHOICES if sinks is None else (base["sink_tokens"],)
-    residual_choices = RESIDUAL_CHOICES if residual is None else (base["residual_length"],)
-    if len(sink_choices) * len(residual_choices) > 1:
+    combos = policy_wide(base, sinks, residual)
+    if len(combos) > 1:
         scale_bits = [b for b in bits if b != 8] or list(bits)
         ref = {}
         for b in scale_bits:
             check_time()
             ref[b] = calib.kld(calib.uniform(layers, b, b, base))
             tick(1, f"uniform int{b}")
-        for s_ in sink_choices:
-            for r in residual_choices:
-                if (s_, r) == (base["sink_tokens"], base["residual_length"]):
-                    continue
-                scale = {}
-                for b in scale_bits:
-                    check_time()
-                    got = calib.kld(calib.uniform(layers, b, b, {**base, "sink_tokens": s_, "residual_length": r}))
-                    scale[b] = got / ref[b] if ref[b] > 0 else 1.0
-                    tick(1, f"sinks {s_} residual {r} int{b}")
-                for b in bits:
-                    scale.setdefault(b, scale[4] if 4 in scale else scale[min(scale)])
-                variants.append({"sink_tokens": s_, "residual_length": r, "scale": scale})
+        for fields in combos:
+            if all(base.get(k) == v for k, v in fields.items()):
+                continue
+            scale = {}
+            for b in scale_bits:
+                check_time()
+                got = calib.kld(calib.uniform(layers, b, b, {**base, **fields}))
+                scale[b] = got / ref[b] if ref[b] > 0 else 1.0
+                tick(1, " ".join(f"{k} {v}" for k, v in fields.items()) + f" int{b}")
+            for b in bits:
+                scale.setdefault(b, scale[4] if 4 in scale else scale[min(scale)])
+            variants.append({**fields, "scale": scale})
         meta["uniform_base"] = {f"int{b}": v for b, v in ref.items()}
     meta.update(stretch=int(calib.stretch.shape[1]), prefix=int(calib.prefix.shape[1]),
                 seconds=round(time.monotonic() - started, 1))

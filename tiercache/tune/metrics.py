@@ -14,7 +14,7 @@ Interface
         built-in byte-level model (trained on Python) and a real model read it alike
     passkey_found(model, tokenizer, cache, ids, key) -> bool
         prefill ``ids`` through ``cache`` (chunks of ``PREFILL_CHUNK``), decode greedily; found when
-        the answer's first digits are the key
+        the answer's first digits are the key (decoding stops at the first token that cannot lead there)
 
 ``kld``, perplexity and agreement are ``tiercache.bench.quality``'s (``kld``, ``perplexity``,
 ``agreement``), so ``tiercache bench`` and ``tune`` report one measure.
@@ -58,6 +58,8 @@ class Figures:
 
     def passkey_text(self) -> str:
         if self.passkey is None:
+            if self.passkey_ref is not None:  # full precision found none: nothing to lose, not probed
+                return f"- (fp {self.passkey_ref[0]}/{self.passkey_ref[1]})"
             return "-"
         return f"{self.passkey[0]}/{self.passkey[1]} (fp {self.passkey_ref[0]}/{self.passkey_ref[1]})"
 
@@ -98,11 +100,18 @@ def passkey_found(model, tokenizer, cache, ids: torch.Tensor, key: str) -> bool:
     for _ in range(ANSWER_TOKENS):
         nxt = logits.argmax(-1, keepdim=True)  # [1, 1]
         answer.append(int(nxt))
+        text = tokenizer.decode(answer).lstrip()
+        digits = _digits(text)
+        if not key.startswith(digits) or len(digits) < len(text):
+            break  # decided: the digits ended, or can no longer be the key
         logits = model(input_ids=nxt, **cache_arg(cache), use_cache=True).logits[:, -1]
-    text = tokenizer.decode(answer).strip()
-    digits = ""
+    return _digits(tokenizer.decode(answer).strip()) == key
+
+
+def _digits(text: str) -> str:
+    out = ""
     for ch in text:
         if not ch.isdigit():
             break
-        digits += ch
-    return digits == key
+        out += ch
+    return out

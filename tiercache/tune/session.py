@@ -105,7 +105,9 @@ def tune(args) -> int:
     from tiercache.tune.metrics import ANSWER_TOKENS, DEPTHS
 
     per_verify = args.stretch - 1 + (len(DEPTHS) * (1 + ANSWER_TOKENS) if passkey else 0)
-    bar = _bar(n_cal + per_verify * (len(uniforms) + 1), args.no_progress)
+    # a uniform format over the budget cannot be chosen: it is on the frontier by its bytes, unmeasured
+    candidates = [u for u in uniforms.values() if budget is None or u.bytes <= budget]
+    bar = _bar(n_cal + per_verify * (len(candidates) + 1), args.no_progress)
 
     def tick(n=1, label=None):
         bar.update(n)
@@ -129,7 +131,7 @@ def tune(args) -> int:
             bar.set_postfix_str(f"verifying {policy.name}", refresh=False)
             return verifier.measure(policy)
 
-        for u in uniforms.values():
+        for u in candidates:
             u.figures = measure(u.policy)
         chosen, tried = search.search(sens, spec, args.batch, args.context, base, measure, budget=budget,
                                       max_kld=args.max_kld, uniforms=list(uniforms.values()), name=out.stem)

@@ -42,6 +42,8 @@ class Verifier:
             found = sum(metrics.passkey_found(model, tokenizer, DynamicCache(config=model.config), s, k)
                         for s, k in self.samples)
             self.passkey_ref = (int(found), len(self.samples))
+            if found == 0:
+                self.samples = []
 
     def forwards(self) -> int:
         return self.stretch + len(self.samples) * (1 + metrics.ANSWER_TOKENS)
