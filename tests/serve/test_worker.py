@@ -322,11 +322,11 @@ def test_a_failing_step_fails_its_requests_and_the_next_ones_run(tiny, monkeypat
     w = make_worker(tiny)
     real, steps = worker_module.run_rows, []
 
-    def flaky(m, rows):
+    def flaky(m, rows, *rest):
         steps.append(len(rows))
         if len(steps) == 2:  # the first request's first decode step
             raise RuntimeError("device lost")
-        return real(m, rows)
+        return real(m, rows, *rest)
 
     monkeypatch.setattr(worker_module, "run_rows", flaky)
     w.start()
@@ -350,9 +350,9 @@ def test_a_long_prompt_arrives_a_chunk_a_step_beside_a_running_stream(tiny, monk
     w = make_worker(tiny, prefill_chunk=16, step_tokens=24, max_active=4)
     real, steps = worker_module.run_rows, []
 
-    def recorded(m, rows):
+    def recorded(m, rows, *rest):
         steps.append([(len(r.ids), r.sample) for r in rows])
-        return real(m, rows)
+        return real(m, rows, *rest)
 
     monkeypatch.setattr(worker_module, "run_rows", recorded)
     w.start()
@@ -388,8 +388,8 @@ def test_a_request_cancelled_mid_prefill_stores_the_part_it_fed(tiny, monkeypatc
     p = ids_of(9, 100)
     call = None
 
-    def recorded(m, rows):
-        out = real(m, rows)
+    def recorded(m, rows, *rest):
+        out = real(m, rows, *rest)
         steps.append(rows)
         if len(steps) == 3:
             call.job.cancel()  # after 48 of its 100 prompt tokens

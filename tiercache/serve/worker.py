@@ -14,7 +14,8 @@
 
 Scheduling: up to ``max_active`` sequences are active (or being prepared). Each turn of the loop is one *step*: one
 forward of the model over every active sequence (``tiercache.serve.batch.run_rows``: the rows
-are packed into one input, attention runs per sequence against its own ``TieredCache``). A step
+are packed into one input, each sequence updates its own ``TieredCache``; the decoding rows'
+full-precision layers attend in one call per layer over ``self.workspace``, the rest per sequence). A step
 holds one token of every decoding sequence plus at most one prefill chunk: the oldest sequence
 still prefilling feeds ``min(prefill_chunk, step_tokens - decoding rows)`` more of its prompt
 (after the store's prefix reuse), so a long prompt arrives a chunk per step and never freezes
@@ -54,6 +55,7 @@ from tiercache.serve.keeper import StoreKeeper
 from tiercache.serve.protocol import DEFAULT_MAX_TOKENS, Request
 from tiercache.serve.sequence import Sequence
 from tiercache.serve.tenants import SHARED, Scope
+from tiercache.serve.workspace import StepWorkspace
 
 log = logging.getLogger("tiercache.serve")
 
@@ -110,6 +112,7 @@ class Worker:
         self.counters = {"prefilled_tokens": 0, "requests": 0, "failed": 0}
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self._active: list[Sequence] = []
+        self.workspace = StepWorkspace()  # the decoding rows' one attention call per layer, kept across steps
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # from the keeper: a Sequence, or None
         self._preparing = 0  # jobs handed to the keeper, not yet back through _ready
         self._wake = threading.Event()  # a job was submitted or is ready
@@ -308,7 +311,7 @@ class Worker:
         if not rows:
             return
         try:
-            out = run_rows(self.model, rows)
+            out = run_rows(self.model, rows, self.workspace)
         except Exception as e:  # noqa: BLE001 - the step failed as a whole: its requests fail
             log.exception("a step of %d requests failed", len(rows))
             for seq in seqs:
