@@ -7,7 +7,7 @@
 
 Design (the batch is a scheduling fact, not a cache fact; DESIGN.md, wave 3). The rows are
 *packed*, not padded: their tokens are concatenated into one ``[1, T]`` input (``T`` = the sum of
-the rows' tokens: one per decoding sequence, a prefill chunk for at most one), with position ids
+the rows' tokens: one per decoding sequence, a prefill chunk for each prefilling one), with position ids
 per row (each row continues from its cache's length). Everything that is per token (embedding,
 norms, projections, RoPE, MLP, the LM head) runs once over the ``T`` tokens: the weights are
 read once per step whatever the number of sequences, which is where batching wins.

@@ -16,10 +16,11 @@ Scheduling: up to ``max_active`` sequences are active (or being prepared). Each 
 forward of the model over every active sequence (``tiercache.serve.batch.run_rows``: the rows
 are packed into one input, each sequence updates its own ``TieredCache``; the decoding rows'
 full-precision layers attend in one call per layer over ``self.workspace``, the rest per sequence). A step
-holds one token of every decoding sequence plus at most one prefill chunk: the oldest sequence
-still prefilling feeds ``min(prefill_chunk, step_tokens - decoding rows)`` more of its prompt
-(after the store's prefix reuse), so a long prompt arrives a chunk per step and never freezes
-the streams already running. With a store, every store call runs on the store's own thread
+holds one token of every decoding sequence plus prefill chunks: the sequences still prefilling,
+oldest first, share ``min(prefill_chunk, step_tokens - decoding rows)`` tokens of their prompts
+(after the store's prefix reuse), each taking what it still needs until the share is spent: a
+burst of new conversations starts together, a long prompt arrives a chunk per step, and no step
+holds more than one ``prefill_chunk`` beside the decoding tokens (running streams never freeze). With a store, every store call runs on the store's own thread
 (``tiercache.serve.keeper.StoreKeeper``), never on the step thread: a job is handed to it, which
 reserves the bytes its cache may grow to (prompt + max_tokens, from the planner;
 ``job.reservation``; demoting or evicting entries to make room; until there is room the job waits
@@ -300,14 +301,18 @@ class Worker:
                 self._guard(seq, lambda s: s.stop("timeout", APIError(504, f"the request timed out after "
                                                                       f"{self.timeout:g}s", code="timeout")))
         decoding = [s for s in self._active if not s.prefilling]
-        prefilling = next((s for s in self._active if s.prefilling), None)
-        budget = min(self.prefill_chunk, self.step_tokens - len(decoding))
+        prefilling = [s for s in self._active if s.prefilling]  # oldest first
+        budget = min(self.prefill_chunk, self.step_tokens - len(decoding))  # prompt tokens of this step, shared
         rows, seqs = [], []
-        for seq in decoding + ([prefilling] if prefilling is not None else []):
-            row = self._guard(seq, lambda s: s.row(budget))
+        for seq in decoding + prefilling:
+            if seq.prefilling and budget < 1:
+                break
+            row = self._guard(seq, lambda s: s.row(budget if s.prefilling else 1))
             if row is not None:
                 rows.append(row)
                 seqs.append(seq)
+                if seq.prefilling:
+                    budget -= len(row.ids)
         if not rows:
             return
         try:
