@@ -400,6 +400,30 @@ def test_a_burst_of_prompts_is_prefilled_in_shared_steps_within_the_chunk(tiny, 
     assert [len(step) - len(c) for step, c in zip(steps, chunks)][:5] == [0, 0, 1, 2, 3]  # decoding beside them
 
 
+def test_a_failed_batch_pick_falls_back_to_each_row_alone(tiny, monkeypatch):
+    """When picking a step's tokens at once raises, each row picks alone: the answers are unchanged."""
+    import tiercache.serve.worker as worker_module
+
+    model, codec = tiny
+    w = Worker(model, codec, POLICY, model_name="m", store=None, max_active=4)
+    tries = []
+
+    def broken(samplers, logits):
+        tries.append(len(samplers))
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(worker_module, "pick_rows", broken)
+    prompts = [ids_of(30 + i, 12) for i in range(3)]
+    calls = [Call(w, p, 5) for p in prompts]
+    w.start()
+    try:
+        for call, p in zip(calls, prompts):
+            assert call.result()[0] == codec.decode(reference(model, p, 5))
+    finally:
+        w.stop()
+    assert max(tries) == 3 and w.counters["failed"] == 0
+
+
 def test_step_settings_are_checked(tiny):
     with pytest.raises(ValueError, match="step_tokens .4. must be more than max_active .4."):
         make_worker(tiny, max_active=4, step_tokens=4)

@@ -54,6 +54,7 @@ from tiercache.serve.batch import run_rows
 from tiercache.serve.errors import APIError, internal_error
 from tiercache.serve.keeper import StoreKeeper
 from tiercache.serve.protocol import DEFAULT_MAX_TOKENS, Request
+from tiercache.serve.sampling import pick_rows
 from tiercache.serve.sequence import Sequence
 from tiercache.serve.tenants import SHARED, Scope
 from tiercache.serve.workspace import StepWorkspace
@@ -322,16 +323,25 @@ class Worker:
             for seq in seqs:
                 self._fail(seq, e)
             return
-        sampled = 0
+        at = {i: n for n, i in enumerate(i for i, row in enumerate(rows) if row.sample)}  # row -> its logits row
+        picks = self._pick({n: seqs[i] for i, n in at.items() if i not in out.failed}, out.logits)
         for i, (seq, row) in enumerate(zip(seqs, rows)):
-            logits = None
-            if row.sample:
-                logits, sampled = out.logits[sampled], sampled + 1
             if i in out.failed:
                 log.error("request failed in its part of a step", exc_info=out.failed[i])
                 self._fail(seq, out.failed[i])
             else:
-                self._guard(seq, lambda s: s.advance(row, logits))
+                logits = out.logits[at[i]] if i in at else None
+                self._guard(seq, lambda s: s.advance(row, logits, picks.get(at.get(i))))
+
+    @staticmethod
+    def _pick(seqs: dict, logits) -> dict:
+        """``{logits row: token}`` for ``seqs`` (``{logits row: Sequence}``) at once; ``{}`` when that
+        fails (no sampler changed): each then picks alone, and a fault fails only its request."""
+        try:
+            return dict(zip(seqs, pick_rows([s.sampler for s in seqs.values()], logits[list(seqs)]))) if seqs else {}
+        except Exception:  # noqa: BLE001 - retried row by row
+            log.exception("picking a step's tokens at once failed; picking them one by one")
+            return {}
 
     def _guard(self, seq: Sequence, op):
         """``op(seq)``; an exception fails only ``seq``; a finished ``seq`` leaves the active set."""
