@@ -19,7 +19,7 @@ the rows' caches. Each attention layer calls ``PackedCache.update(k, v, layer)``
 offload, untouched) and keeps what each returns. Then:
 
 - the *decoding* rows (one token) whose layer stores every token at full precision
-  (``FullLayer``) attend in **one call** for the layer: ``workspace.StepWorkspace`` keeps a padded
+  (``FullLayer``), when there are two or more, attend in **one call** for the layer: ``workspace.StepWorkspace`` keeps a padded
   copy of their keys and values across steps (only the newest token is written each step) and runs
   one SDPA with a padding mask;
 - every other row (a prefill chunk; a quantized, offloaded or sliding layer; a soft-capped model)
@@ -127,7 +127,7 @@ def packed_attention(module, query, key, value, attention_mask, *, scaling=None,
         raise RuntimeError(f"the {NAME!r} attention runs only inside tiercache.serve.batch.run_rows")
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3],
                       dtype=query.dtype, device=query.device)  # [1, T, H, D]
-    joined = batch.joined if softcap is None else []
+    joined = batch.joined if softcap is None and len(batch.joined) > 1 else []  # one alone: its own call
     if joined:
         _attend_joined(batch, joined, query, key, value, out, scaling, sliding_window)
     alone = range(len(batch.spans)) if not joined else [i for i in range(len(batch.spans)) if i not in set(joined)]
@@ -244,6 +244,8 @@ def run_rows(model, rows: list[Row], workspace: StepWorkspace | None = None) -> 
         one = len(row.ids) == 1 and id(row.cache) not in seen
         seen.add(id(row.cache))
         decoding.append(one)
+    if sum(decoding) < 2:  # one decoding row gains nothing from a shared call: its own, and no copy kept
+        decoding = [False] * len(rows)
     slot_of = iter(workspace.begin([row.cache for row, one in zip(rows, decoding) if one]))
     slots = [next(slot_of) if one else None for one in decoding]
     batch = PackedCache(rows, spans, positions, workspace, slots)
