@@ -315,3 +315,28 @@ def test_a_failed_fork_or_choice_fails_the_request_and_returns_every_reservation
         assert texts[0] == texts[1] == texts[2] != ""  # greedy: the same answer three times
     finally:
         w.stop()
+
+
+def test_a_batch_picks_what_each_row_picks_alone():
+    """``pick_rows`` over rows of different settings (greedy, seeded sampling, ``top_p``, penalties and
+    bias, log-probabilities, a vanishing temperature) = each row's own ``Sampler.pick``, step after step."""
+    from tiercache.serve.sampling import pick_rows
+
+    settings = [dict(temperature=0), dict(temperature=0.8, seed=3), dict(temperature=1.2, top_p=0.5, seed=4, logprobs=2),
+                dict(temperature=0, presence_penalty=0.9, frequency_penalty=0.4, logit_bias={"7": 3.0}, logprobs=5),
+                dict(temperature=1e-30, seed=5, logprobs=0), dict(temperature=0.7, seed=6, frequency_penalty=1.0)]
+    batch = [Sampler(request(**kw), ByteCodec, "cpu") for kw in settings]
+    alone = [Sampler(request(**kw), ByteCodec, "cpu") for kw in settings]
+    for step in range(8):
+        rows = torch.stack([logits_row(step % 2 + r) for r in range(len(settings))])  # [R, V]
+        rows[3, EOS] = 50.0 if step == 5 else rows[3, EOS]  # an end-of-sequence pick: no entry
+        got = pick_rows(batch, rows)
+        want = [s.pick(rows[r]) for r, s in enumerate(alone)]
+        assert got == want, step
+        for a, b in zip(batch, alone):
+            ea, eb = a.take().get("logprobs"), b.take().get("logprobs")
+            assert (ea is None) == (eb is None)
+            for x, y in zip(ea or [], eb or []):
+                assert x["id"] == y["id"] and x["logprob"] == pytest.approx(y["logprob"], abs=1e-5)
+                assert [t[0] for t in x["top"]] == [t[0] for t in y["top"]]
+    assert len({tuple(s.counts.tolist()) for s in batch if s.counts is not None}) == 2  # penalties counted per row

@@ -155,10 +155,10 @@ def test_shutdown_saves_nothing_while_the_worker_is_still_running(tmp_path, monk
 
     real = worker_module.run_rows
 
-    def stuck(model, rows):  # the worker's step forward
+    def stuck(model, rows, *rest):  # the worker's step forward
         inside.set()
         release.wait(30)
-        return real(model, rows)
+        return real(model, rows, *rest)
 
     monkeypatch.setattr(worker_module, "run_rows", stuck)
     worker.stop = functools.partial(worker.stop, timeout=0.5)

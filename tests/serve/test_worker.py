@@ -322,11 +322,11 @@ def test_a_failing_step_fails_its_requests_and_the_next_ones_run(tiny, monkeypat
     w = make_worker(tiny)
     real, steps = worker_module.run_rows, []
 
-    def flaky(m, rows):
+    def flaky(m, rows, *rest):
         steps.append(len(rows))
         if len(steps) == 2:  # the first request's first decode step
             raise RuntimeError("device lost")
-        return real(m, rows)
+        return real(m, rows, *rest)
 
     monkeypatch.setattr(worker_module, "run_rows", flaky)
     w.start()
@@ -350,9 +350,9 @@ def test_a_long_prompt_arrives_a_chunk_a_step_beside_a_running_stream(tiny, monk
     w = make_worker(tiny, prefill_chunk=16, step_tokens=24, max_active=4)
     real, steps = worker_module.run_rows, []
 
-    def recorded(m, rows):
+    def recorded(m, rows, *rest):
         steps.append([(len(r.ids), r.sample) for r in rows])
-        return real(m, rows)
+        return real(m, rows, *rest)
 
     monkeypatch.setattr(worker_module, "run_rows", recorded)
     w.start()
@@ -372,6 +372,58 @@ def test_a_long_prompt_arrives_a_chunk_a_step_beside_a_running_stream(tiny, monk
     assert all(step[0] == (1, True) for step in shared)
 
 
+def test_a_burst_of_prompts_is_prefilled_in_shared_steps_within_the_chunk(tiny, monkeypatch):
+    """Four 30-token prompts arriving at once share the steps' 24 prompt tokens, oldest first (not
+    one prompt per step); no step feeds more than ``prefill_chunk`` prompt tokens; every answer is
+    that of ``generate``."""
+    import tiercache.serve.worker as worker_module
+
+    model, codec = tiny
+    w = Worker(model, codec, POLICY, model_name="m", store=None, prefill_chunk=24, step_tokens=40, max_active=4)
+    real, steps = worker_module.run_rows, []
+
+    def recorded(m, rows, *rest):
+        steps.append([len(r.ids) for r in rows])
+        return real(m, rows, *rest)
+
+    monkeypatch.setattr(worker_module, "run_rows", recorded)
+    prompts = [ids_of(20 + i, 30) for i in range(4)]
+    calls = [Call(w, p, 6) for p in prompts]  # queued before the loop starts: admitted together
+    w.start()
+    try:
+        for call, p in zip(calls, prompts):
+            assert call.result()[0] == codec.decode(reference(model, p, 6))
+    finally:
+        w.stop()
+    chunks = [[n for n in step if n > 1] for step in steps]
+    assert [c for c in chunks if c] == [[24], [6, 18], [12, 12], [18, 6], [24]]
+    assert [len(step) - len(c) for step, c in zip(steps, chunks)][:5] == [0, 0, 1, 2, 3]  # decoding beside them
+
+
+def test_a_failed_batch_pick_falls_back_to_each_row_alone(tiny, monkeypatch):
+    """When picking a step's tokens at once raises, each row picks alone: the answers are unchanged."""
+    import tiercache.serve.worker as worker_module
+
+    model, codec = tiny
+    w = Worker(model, codec, POLICY, model_name="m", store=None, max_active=4)
+    tries = []
+
+    def broken(samplers, logits):
+        tries.append(len(samplers))
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(worker_module, "pick_rows", broken)
+    prompts = [ids_of(30 + i, 12) for i in range(3)]
+    calls = [Call(w, p, 5) for p in prompts]
+    w.start()
+    try:
+        for call, p in zip(calls, prompts):
+            assert call.result()[0] == codec.decode(reference(model, p, 5))
+    finally:
+        w.stop()
+    assert max(tries) == 3 and w.counters["failed"] == 0
+
+
 def test_step_settings_are_checked(tiny):
     with pytest.raises(ValueError, match="step_tokens .4. must be more than max_active .4."):
         make_worker(tiny, max_active=4, step_tokens=4)
@@ -388,8 +440,8 @@ def test_a_request_cancelled_mid_prefill_stores_the_part_it_fed(tiny, monkeypatc
     p = ids_of(9, 100)
     call = None
 
-    def recorded(m, rows):
-        out = real(m, rows)
+    def recorded(m, rows, *rest):
+        out = real(m, rows, *rest)
         steps.append(rows)
         if len(steps) == 3:
             call.job.cancel()  # after 48 of its 100 prompt tokens

@@ -1,33 +1,41 @@
 """One forward over several sequences, each against its own ``TieredCache``: ``run_rows(model, rows)``.
 
     rows = [Row(cache, [12, 7, 9], sample=True), Row(other_cache, [42]), ...]
-    out = run_rows(model, rows)
+    out = run_rows(model, rows, workspace)   # workspace: a StepWorkspace kept across steps (optional)
     out.logits      # [R, V] float32: the last token's logits of each row with ``sample=True``, in row order
     out.failed      # {row index: exception}: rows whose own part failed (their cache is then inconsistent)
 
 Design (the batch is a scheduling fact, not a cache fact; DESIGN.md, wave 3). The rows are
 *packed*, not padded: their tokens are concatenated into one ``[1, T]`` input (``T`` = the sum of
-the rows' tokens: one per decoding sequence, a prefill chunk for at most one), with position ids
+the rows' tokens: one per decoding sequence, a prefill chunk for each prefilling one), with position ids
 per row (each row continues from its cache's length). Everything that is per token (embedding,
 norms, projections, RoPE, MLP, the LM head) runs once over the ``T`` tokens: the weights are
 read once per step whatever the number of sequences, which is where batching wins.
-Attention is per row, through transformers' ``AttentionInterface``: during ``run_rows`` the
-model's attention implementation is ``tiercache_packed`` and its cache argument is a
-``PackedCache`` over the rows' caches. Each attention layer calls ``PackedCache.update(k, v,
-layer)`` with the packed ``[1, Hkv, T, D]`` keys and values; it splits them by row, calls each
-row's ``TieredCache.update`` (so each conversation keeps its own policy, tiers, quantization and
-offload, untouched) and keeps what each returns. The attention function then takes each row's
-queries ``[1, H, t, D]`` and attends to that row's keys ``[1, Hkv, L, D]`` with SDPA (``eager``
-maths when the model soft-caps logits, Gemma 2), with the row's own causal mask: the returned
-keys are the newest ``L`` tokens of the row (a sliding layer returns its window), so key ``j``
-sits at position ``p + t - L + j`` for queries at ``p .. p + t - 1``; a query sees a key at or
-before it, and within ``sliding_window`` when the layer is a sliding one. A decoding row (``t =
-1``) needs no mask. transformers builds no mask of its own for an implementation it has no mask
-function for. The rows' outputs are put back in packed order; ``o_proj`` and the rest run
-batched again.
+Attention runs through transformers' ``AttentionInterface``: during ``run_rows`` the model's
+attention implementation is ``tiercache_packed`` and its cache argument is a ``PackedCache`` over
+the rows' caches. Each attention layer calls ``PackedCache.update(k, v, layer)`` with the packed
+``[1, Hkv, T, D]`` keys and values; it splits them by row, calls each row's
+``TieredCache.update`` (so each conversation keeps its own policy, tiers, quantization and
+offload, untouched) and keeps what each returns. Then:
+
+- the *decoding* rows (one token) whose layer stores every token at full precision
+  (``FullLayer``), when there are two or more, attend in **one call** for the layer: ``workspace.StepWorkspace`` keeps a padded
+  copy of their keys and values across steps (only the newest token is written each step) and runs
+  one SDPA with a padding mask;
+- every other row (a prefill chunk; a quantized, offloaded or sliding layer; a soft-capped model)
+  takes its own queries ``[1, H, t, D]`` against its own keys ``[1, Hkv, L, D]`` with SDPA
+  (``eager`` maths when the model soft-caps logits, Gemma 2), with its own causal mask: the
+  returned keys are the newest ``L`` tokens of the row (a sliding layer returns its window), so
+  key ``j`` sits at position ``p + t - L + j`` for queries at ``p .. p + t - 1``; a query sees a
+  key at or before it, and within ``sliding_window`` when the layer is a sliding one. A decoding
+  row (``t = 1``) needs no mask.
+
+transformers builds no mask of its own for an implementation it has no mask function for. The
+rows' outputs are put back in packed order; ``o_proj`` and the rest run batched again.
 
 Faults: a row whose cache update or attention raises is recorded in ``failed`` and given
-stand-in keys (its new tokens alone) so the other rows' forward goes on; its logits are
+stand-in keys (its new tokens alone) so the other rows' forward goes on (a fault of the batched
+call fails the rows in it); its logits are
 meaningless and its cache must be discarded. An exception outside the per-row parts (the
 model's own layers) propagates: no row can be trusted then.
 
@@ -44,6 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from tiercache.cache.compat import cache_arg
+from tiercache.layers.full import FullLayer
+from tiercache.serve.workspace import StepWorkspace
 
 NAME = "tiercache_packed"
 
@@ -63,39 +73,66 @@ class Output:
 
 
 class PackedCache:
-    """What the model sees as its cache during a packed forward: splits each layer's update by row."""
+    """What the model sees as its cache during a packed forward: splits each layer's update by row,
+    and notes which decoding rows may join the layer's one batched attention call (``joined``)."""
 
-    def __init__(self, rows: list[Row], spans: list[tuple[int, int]], positions: list[int]):
+    def __init__(self, rows: list[Row], spans: list[tuple[int, int]], positions: list[int], workspace, slots: list):
         self.rows, self.spans, self.positions = rows, spans, positions
+        self.workspace, self.slots = workspace, slots  # slots[i]: row i's workspace slot, None: not decoding
         self.failed: dict[int, BaseException] = {}
         self.kv: list = [None] * len(rows)  # per row: (keys, values) of the layer being run
+        self.layer = None  # the layer being run
+        self.joined: list[int] = []  # rows of this layer in the batched call
 
     # transformers asks these of a cache; answered for the packed input as a whole
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # [1, Hkv, T, D]
+        self.layer, self.joined = layer_idx, []
         for i, (row, (a, b)) in enumerate(zip(self.rows, self.spans)):
             k, v = key_states[:, :, a:b], value_states[:, :, a:b]  # [1, Hkv, t, D]
             if i not in self.failed:
                 try:
                     self.kv[i] = row.cache.update(k, v, layer_idx)
-                    continue
                 except Exception as e:  # noqa: BLE001 - this row fails, the others go on
                     self.failed[i] = e
+                else:
+                    if self.slots[i] is not None and _joins(row.cache, layer_idx, self.kv[i], self.positions[i], k):
+                        self.joined.append(i)
+                    continue
             self.kv[i] = (k, v)
         return key_states, value_states
 
 
+def _joins(cache, layer_idx: int, kv, position: int, new: torch.Tensor) -> bool:
+    """Whether a decoding row's layer may join the batched call: full-precision ``FullLayer``
+    storage that returned every token ``0 .. position`` in the step's dtype (so the workspace's
+    copy of it, grown by the token just given, is what the layer holds)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or type(layers[layer_idx]) is not FullLayer:
+        return False
+    k, v = kv
+    return (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.shape[0] == 1
+            and k.shape[2] == position + 1 and k.dtype == new.dtype and k.device == new.device
+            and v.shape[:3] == k.shape[:3])
+
+
 def packed_attention(module, query, key, value, attention_mask, *, scaling=None, sliding_window=None,
                      softcap=None, dropout=0.0, tiercache_rows: PackedCache = None, **kwargs):
-    """The ``AttentionInterface`` function: per row, its queries against its own cache's keys."""
+    """The ``AttentionInterface`` function: the joined decoding rows in one call over the step
+    workspace, every other row its own queries against its own cache's keys."""
     batch = tiercache_rows
     if batch is None:
         raise RuntimeError(f"the {NAME!r} attention runs only inside tiercache.serve.batch.run_rows")
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3],
                       dtype=query.dtype, device=query.device)  # [1, T, H, D]
-    for i, (a, b) in enumerate(batch.spans):
+    joined = batch.joined if softcap is None and len(batch.joined) > 1 else []  # one alone: its own call
+    if joined:
+        _attend_joined(batch, joined, query, key, value, out, scaling, sliding_window)
+    alone = range(len(batch.spans)) if not joined else [i for i in range(len(batch.spans)) if i not in set(joined)]
+    for i in alone:
+        a, b = batch.spans[i]
         k, v = batch.kv[i]  # [1, Hkv, L, D]
         q = query[:, :, a:b]  # [1, H, t, D]
         try:
@@ -104,6 +141,23 @@ def packed_attention(module, query, key, value, attention_mask, *, scaling=None,
             batch.failed.setdefault(i, e)
             out[:, a:b] = 0
     return out, None
+
+
+def _attend_joined(batch: PackedCache, joined: list[int], query, key, value, out, scaling, window) -> None:
+    """The joined rows (one token each) in one call; a fault fails all of them."""
+    at = torch.tensor([batch.spans[i][0] for i in joined], device=query.device)  # [R] their token in the pack
+    slots = [batch.slots[i] for i in joined]
+    try:
+        res = batch.workspace.attend(batch.layer, slots, [batch.positions[i] + 1 for i in joined],
+                                     [batch.kv[i] for i in joined], key[0, :, at].transpose(0, 1),
+                                     value[0, :, at].transpose(0, 1), query[0, :, at].transpose(0, 1),
+                                     scaling=scaling, window=window)  # [R, H, D]
+        out[0, at] = res
+    except Exception as e:  # noqa: BLE001 - these rows fail, the others go on
+        batch.workspace.forget(slots)
+        for i in joined:
+            batch.failed.setdefault(i, e)
+        out[0, at] = 0
 
 
 def _mask(t: int, length: int, position: int, window, device) -> torch.Tensor | None:
@@ -168,8 +222,9 @@ def _implementation(model):
         config._attn_implementation = before
 
 
-def run_rows(model, rows: list[Row]) -> Output:
-    """One forward of ``model`` over ``rows`` (each ``ids`` non-empty), each against its own cache."""
+def run_rows(model, rows: list[Row], workspace: StepWorkspace | None = None) -> Output:
+    """One forward of ``model`` over ``rows`` (each ``ids`` non-empty), each against its own cache.
+    ``workspace``: the step workspace kept across steps (default: a new one, dropped after)."""
     if not rows or any(not row.ids for row in rows):
         raise ValueError("run_rows needs at least one row, each with at least one token id")
     device = next(model.parameters()).device
@@ -183,7 +238,17 @@ def run_rows(model, rows: list[Row]) -> Output:
         positions.append(start)
         if row.sample:
             keep.append(len(ids) - 1)
-    batch = PackedCache(rows, spans, positions)
+    workspace = workspace if workspace is not None else StepWorkspace()
+    decoding, seen = [], set()
+    for row in rows:  # one slot per cache (a cache twice in a step would be its own call)
+        one = len(row.ids) == 1 and id(row.cache) not in seen
+        seen.add(id(row.cache))
+        decoding.append(one)
+    if sum(decoding) < 2:  # one decoding row gains nothing from a shared call: its own, and no copy kept
+        decoding = [False] * len(rows)
+    slot_of = iter(workspace.begin([row.cache for row, one in zip(rows, decoding) if one]))
+    slots = [next(slot_of) if one else None for one in decoding]
+    batch = PackedCache(rows, spans, positions, workspace, slots)
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, T]
     position_ids = torch.tensor([pos], dtype=torch.long, device=device)  # [1, T]
     logits_to_keep = torch.tensor(keep or [len(ids) - 1], dtype=torch.long, device=device)  # [R]

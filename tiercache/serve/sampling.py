@@ -1,7 +1,9 @@
-"""The next token of ONE sequence from its logits row: ``Sampler(request, codec, device, choice=0)``.
+"""The next token of each sequence from its logits row: a ``Sampler(request, codec, device, choice=0)``
+per sequence, and ``pick_rows`` for every sampling row of a step at once.
 
     sampler = Sampler(req, codec, device, choice=i)   # per choice of a request (``n``)
     token = sampler.pick(logits)      # logits: [V], the model's last position for this sequence
+    tokens = pick_rows(samplers, logits)   # logits: [R, V], one row per sampler: the batch at once
     sampler.take() -> {"logprobs": [...]} or {}   # entries picked since the last take (to emit)
 
 What ``pick`` does, in OpenAI's order:
@@ -89,31 +91,15 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from ``logits`` [V]; records its log-probabilities when asked for."""
-        adjusted = self._adjusted(logits)  # [V]
-        probs = None if self.temperature == 0 else torch.softmax(adjusted / self.temperature, dim=-1)  # [V]
-        if probs is None or not bool(torch.isfinite(probs).all()):  # 0, or so small that logits / t overflow:
-            token = int(torch.argmax(adjusted))                          # the greedy limit
-        else:
-            if self.top_p < 1.0:
-                probs = nucleus(probs, self.top_p)
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
-        if self.presence or self.frequency:
-            if self.counts is None:
-                self.counts = torch.zeros_like(adjusted)
-            self.counts[token] += 1
-        if self.top is not None and token not in self.codec.eos_ids:
-            self.pending.append(self._entry(torch.log_softmax(adjusted, dim=-1), token))
-        return token
+        return pick_rows([self], logits[None])[0]
 
-    def _entry(self, logprobs: torch.Tensor, token: int) -> dict:
+    def _entry(self, token: int, logprob: float, top_values: list, top_ids: list) -> dict:
         text, raw = token_text(self.codec, token)
         top = []
-        if self.top:
-            values, ids = torch.topk(logprobs, min(self.top, logprobs.shape[-1]))
-            for lp, i in zip(values.tolist(), ids.tolist()):
-                alt_text, alt_raw = token_text(self.codec, i)
-                top.append((i, alt_text, lp, alt_raw))
-        return {"id": token, "token": text, "logprob": float(logprobs[token]), "bytes": raw, "top": top}
+        for lp, i in zip(top_values[:self.top], top_ids[:self.top]):
+            alt_text, alt_raw = token_text(self.codec, i)
+            top.append((i, alt_text, lp, alt_raw))
+        return {"id": token, "token": text, "logprob": logprob, "bytes": raw, "top": top}
 
     def take(self) -> dict:
         """``{"logprobs": entries}`` picked since the last take (``{}`` when none were asked for)."""
@@ -121,3 +107,48 @@ class Sampler:
             return {}
         out, self.pending = self.pending, []
         return {"logprobs": out}
+
+
+def pick_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
+    """The next token of every row: row ``r`` of ``logits`` [R, V] through ``samplers[r]`` (each with
+    its own penalties, bias, temperature, ``top_p``, generator and log-probabilities). The batch is
+    done in tensor ops over [R, V] (one argmax, one softmax of the sampling rows, one log-softmax and
+    top-k of the rows asking log-probabilities, one read of the picked ids); what stays per row is
+    what only that row has: penalties / bias when set, ``top_p`` and the draw from its own
+    generator (so a seed gives the same tokens whatever else is in the batch)."""
+    adjusted = logits.float()  # [R, V]
+    special = [r for r, s in enumerate(samplers) if s.counts is not None or s.bias]
+    if special:
+        adjusted = adjusted.clone()
+        for r in special:
+            adjusted[r] = samplers[r]._adjusted(adjusted[r])
+    tokens = torch.argmax(adjusted, dim=-1)  # [R]: the greedy answer, replaced below for the sampling rows
+    hot = [r for r, s in enumerate(samplers) if s.temperature != 0]
+    if hot:
+        temps = torch.tensor([samplers[r].temperature for r in hot], dtype=adjusted.dtype, device=adjusted.device)
+        probs = torch.softmax(adjusted[hot] / temps[:, None], dim=-1)  # [R', V]
+        finite = torch.isfinite(probs).all(dim=-1).tolist()  # not: so small a temperature that logits / t overflow
+        for j, r in enumerate(hot):
+            if finite[j]:
+                s, p = samplers[r], probs[j]
+                if s.top_p < 1.0:
+                    p = nucleus(p, s.top_p)
+                tokens[r] = torch.multinomial(p, 1, generator=s.generator)[0]
+    picked = tokens.tolist()
+    entries = {}  # every row's state changes only once all rows are picked (a failed batch changes none)
+    asks = [r for r, s in enumerate(samplers) if s.top is not None and picked[r] not in s.codec.eos_ids]
+    if asks:
+        logprobs = torch.log_softmax(adjusted[asks], dim=-1)  # [R'', V]
+        chosen = logprobs.gather(1, torch.tensor([[picked[r]] for r in asks], device=logprobs.device))[:, 0].tolist()
+        k = min(max(samplers[r].top for r in asks), logprobs.shape[-1])
+        values, ids = torch.topk(logprobs, k) if k else (logprobs[:, :0], logprobs[:, :0].long())  # [R'', k]
+        values, ids = values.tolist(), ids.tolist()
+        entries = {r: samplers[r]._entry(picked[r], chosen[j], values[j], ids[j]) for j, r in enumerate(asks)}
+    for r, s in enumerate(samplers):
+        if s.presence or s.frequency:
+            if s.counts is None:
+                s.counts = torch.zeros_like(adjusted[r])
+            s.counts[picked[r]] += 1
+        if r in entries:
+            s.pending.append(entries[r])
+    return picked

@@ -1,7 +1,8 @@
 """One request's generation on the worker thread: ``Sequence(job, worker)``.
 
     row = seq.row(budget)      the tokens it feeds this step (``tiercache.serve.batch.Row``), or None
-    seq.advance(row, logits)   after the step's forward: ``logits`` ``[V]`` when ``row.sample``
+    seq.advance(row, logits, token)   after the step's forward: ``logits`` ``[V]`` when ``row.sample``;
+                               ``token``: its pick when the worker sampled the batch at once (else picked here)
     seq.stop(reason, error=None)   end it early (``cancelled`` / ``timeout`` / ``error``)
     seq.done                   it has finished and handed its cache back
 
@@ -18,9 +19,10 @@ What goes back to the store (``hand_back``), filed under the job's scope (its te
 holds (``fed`` of the prompt + generated ids). A cancelled or timed-out request keeps what it fed
 so far, a part of the prompt included, with no extra forward. A failed one keeps nothing.
 
-Sampling: one ``sampling.Sampler.pick`` per sampling row and step, on this sequence's logits row
-(penalties, ``logit_bias``, temperature / ``top_p``, a generator seeded by ``seed``,
-log-probabilities); the entries it recorded go out with the text they belong to (``delta`` /
+Sampling: the worker picks every sampling row of a step at once (``sampling.pick_rows`` over the
+step's logits, each row through its sequence's ``Sampler``: penalties, ``logit_bias``,
+temperature / ``top_p``, a generator seeded by ``seed``, log-probabilities); a forked choice's
+first token, or a row whose batch pick failed, is picked here (``Sampler.pick``). The entries it recorded go out with the text they belong to (``delta`` /
 ``done`` events carry ``logprobs``).
 
 Choices (``n > 1``): choice 0 prefills the prompt once; the step that samples its first token
@@ -80,8 +82,9 @@ class Sequence:
             return Row(self.cache, ids, sample=self.fed + len(ids) == len(self.job.ids), position=self.fed)
         return Row(self.cache, [self.generated[-1]], sample=not self.closing, position=self.fed)
 
-    def advance(self, row: Row, logits: torch.Tensor | None) -> None:
-        """The forward fed ``row``: count it; sample from ``logits`` ``[V]`` when the row asked for them."""
+    def advance(self, row: Row, logits: torch.Tensor | None, token: int | None = None) -> None:
+        """The forward fed ``row``: count it; take ``token`` (or sample one from ``logits`` ``[V]``)
+        when the row asked for logits."""
         self.fed += len(row.ids)
         if self.prefilling:
             self.w.count("prefilled_tokens", len(row.ids))
@@ -93,7 +96,7 @@ class Sequence:
                 self.w.observe("ttft", self.t_first - self.job.submitted)
                 if self.job.request.n > 1 and not self.choice:
                     self._fork_choices(logits)
-            self._accept(logits)
+            self._accept(logits, token)
 
     def checkout(self) -> None:
         """The store's longest prefix of the prompt, or a new cache (the keeper's thread, with a store)."""
@@ -132,8 +135,8 @@ class Sequence:
                 child.stop("error", internal_error(e, "generation failed"))
             self.w.adopt(child)
 
-    def _accept(self, logits: torch.Tensor) -> None:
-        token = self.sampler.pick(logits)
+    def _accept(self, logits: torch.Tensor, token: int | None = None) -> None:
+        token = self.sampler.pick(logits) if token is None else token
         self.generated.append(token)
         if token in self.w.codec.eos_ids:
             return self._finish("stop")

@@ -14,11 +14,13 @@
 
 Scheduling: up to ``max_active`` sequences are active (or being prepared). Each turn of the loop is one *step*: one
 forward of the model over every active sequence (``tiercache.serve.batch.run_rows``: the rows
-are packed into one input, attention runs per sequence against its own ``TieredCache``). A step
-holds one token of every decoding sequence plus at most one prefill chunk: the oldest sequence
-still prefilling feeds ``min(prefill_chunk, step_tokens - decoding rows)`` more of its prompt
-(after the store's prefix reuse), so a long prompt arrives a chunk per step and never freezes
-the streams already running. With a store, every store call runs on the store's own thread
+are packed into one input, each sequence updates its own ``TieredCache``; the decoding rows'
+full-precision layers attend in one call per layer over ``self.workspace``, the rest per sequence). A step
+holds one token of every decoding sequence plus prefill chunks: the sequences still prefilling,
+oldest first, share ``min(prefill_chunk, step_tokens - decoding rows)`` tokens of their prompts
+(after the store's prefix reuse), each taking what it still needs until the share is spent: a
+burst of new conversations starts together, a long prompt arrives a chunk per step, and no step
+holds more than one ``prefill_chunk`` beside the decoding tokens (running streams never freeze). With a store, every store call runs on the store's own thread
 (``tiercache.serve.keeper.StoreKeeper``), never on the step thread: a job is handed to it, which
 reserves the bytes its cache may grow to (prompt + max_tokens, from the planner;
 ``job.reservation``; demoting or evicting entries to make room; until there is room the job waits
@@ -52,8 +54,10 @@ from tiercache.serve.batch import run_rows
 from tiercache.serve.errors import APIError, internal_error
 from tiercache.serve.keeper import StoreKeeper
 from tiercache.serve.protocol import DEFAULT_MAX_TOKENS, Request
+from tiercache.serve.sampling import pick_rows
 from tiercache.serve.sequence import Sequence
 from tiercache.serve.tenants import SHARED, Scope
+from tiercache.serve.workspace import StepWorkspace
 
 log = logging.getLogger("tiercache.serve")
 
@@ -110,6 +114,7 @@ class Worker:
         self.counters = {"prefilled_tokens": 0, "requests": 0, "failed": 0}
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self._active: list[Sequence] = []
+        self.workspace = StepWorkspace()  # the decoding rows' one attention call per layer, kept across steps
         self._ready: queue.SimpleQueue = queue.SimpleQueue()  # from the keeper: a Sequence, or None
         self._preparing = 0  # jobs handed to the keeper, not yet back through _ready
         self._wake = threading.Event()  # a job was submitted or is ready
@@ -297,33 +302,46 @@ class Worker:
                 self._guard(seq, lambda s: s.stop("timeout", APIError(504, f"the request timed out after "
                                                                       f"{self.timeout:g}s", code="timeout")))
         decoding = [s for s in self._active if not s.prefilling]
-        prefilling = next((s for s in self._active if s.prefilling), None)
-        budget = min(self.prefill_chunk, self.step_tokens - len(decoding))
+        prefilling = [s for s in self._active if s.prefilling]  # oldest first
+        budget = min(self.prefill_chunk, self.step_tokens - len(decoding))  # prompt tokens of this step, shared
         rows, seqs = [], []
-        for seq in decoding + ([prefilling] if prefilling is not None else []):
-            row = self._guard(seq, lambda s: s.row(budget))
+        for seq in decoding + prefilling:
+            if seq.prefilling and budget < 1:
+                break
+            row = self._guard(seq, lambda s: s.row(budget if s.prefilling else 1))
             if row is not None:
                 rows.append(row)
                 seqs.append(seq)
+                if seq.prefilling:
+                    budget -= len(row.ids)
         if not rows:
             return
         try:
-            out = run_rows(self.model, rows)
+            out = run_rows(self.model, rows, self.workspace)
         except Exception as e:  # noqa: BLE001 - the step failed as a whole: its requests fail
             log.exception("a step of %d requests failed", len(rows))
             for seq in seqs:
                 self._fail(seq, e)
             return
-        sampled = 0
+        at = {i: n for n, i in enumerate(i for i, row in enumerate(rows) if row.sample)}  # row -> its logits row
+        picks = self._pick({n: seqs[i] for i, n in at.items() if i not in out.failed}, out.logits)
         for i, (seq, row) in enumerate(zip(seqs, rows)):
-            logits = None
-            if row.sample:
-                logits, sampled = out.logits[sampled], sampled + 1
             if i in out.failed:
                 log.error("request failed in its part of a step", exc_info=out.failed[i])
                 self._fail(seq, out.failed[i])
             else:
-                self._guard(seq, lambda s: s.advance(row, logits))
+                logits = out.logits[at[i]] if i in at else None
+                self._guard(seq, lambda s: s.advance(row, logits, picks.get(at.get(i))))
+
+    @staticmethod
+    def _pick(seqs: dict, logits) -> dict:
+        """``{logits row: token}`` for ``seqs`` (``{logits row: Sequence}``) at once; ``{}`` when that
+        fails (no sampler changed): each then picks alone, and a fault fails only its request."""
+        try:
+            return dict(zip(seqs, pick_rows([s.sampler for s in seqs.values()], logits[list(seqs)]))) if seqs else {}
+        except Exception:  # noqa: BLE001 - retried row by row
+            log.exception("picking a step's tokens at once failed; picking them one by one")
+            return {}
 
     def _guard(self, seq: Sequence, op):
         """``op(seq)``; an exception fails only ``seq``; a finished ``seq`` leaves the active set."""
