@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
+from tiercache.layers.base import KVLayer, check_crop
 from tiercache.layers.spec import KVSpec
-from tiercache.layers.state import check_ingest, empty_pair, expect, field, held_pair, spec_from, spec_state
+from tiercache.layers.state import check_ingest, expect, field, held_pair, spec_from, spec_state
 from tiercache.layers.tiers import ComputeTier
 
 
@@ -83,21 +83,15 @@ class StaticLayer(KVLayer):
             self.position.sub_(n)
             self.length -= n
 
-    def reorder(self, beam_idx: torch.Tensor) -> None:
+    def gather(self, index: torch.Tensor) -> None:
+        """Same batch: in place (the buffers keep their addresses, as a compiled step needs); else anew."""
         if self.spec is None:
             return
-        idx = check_batch_indices(beam_idx, self.spec.batch, "reorder").to(self.k.device)
+        if index.numel() != self.spec.batch:
+            return self._regather(index)
+        idx = index.to(self.k.device)
         self.k.copy_(self.k.index_select(0, idx))
         self.v.copy_(self.v.index_select(0, idx))
-
-    def select(self, indices: torch.Tensor) -> None:
-        if self.spec is not None:
-            self._regather(check_batch_indices(indices, self.spec.batch, "select"))
-
-    def repeat_interleave(self, repeats: int) -> None:
-        check_repeats(repeats)
-        if self.spec is not None:
-            self._regather(torch.arange(self.spec.batch).repeat_interleave(repeats))
 
     def reset(self) -> None:
         if self.k is not None:
@@ -152,12 +146,6 @@ class StaticLayer(KVLayer):
         k, v = held_pair(sd, spec, length, "static")
         self._room(length)
         self._fill(spec, k, v)
-
-    def export(self):
-        if self.spec is None:
-            return None
-        k, v = self.kv() or empty_pair(self.spec)
-        return k, v, self.length
 
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
         spec = check_ingest(key, value, seen, "static", whole=True)

@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
+from tiercache.layers.base import KVLayer, check_crop
 from tiercache.layers.spec import KVSpec
 from tiercache.layers.static import mark_static
 from tiercache.layers.tiers import place_of
@@ -223,20 +223,15 @@ class StaticQuantized(KVLayer):
             self.position.sub_(n)
             self._count -= n
 
-    def reorder(self, beam_idx: torch.Tensor) -> None:
-        if self.spec is not None:
-            idx = check_batch_indices(beam_idx, self.spec.batch, "reorder").to(self.position.device)
-            for buf in self._buffers():
-                buf.copy_(buf.index_select(0, idx))
-
-    def select(self, indices: torch.Tensor) -> None:
-        if self.spec is not None:
-            self._regather(check_batch_indices(indices, self.spec.batch, "select"))
-
-    def repeat_interleave(self, repeats: int) -> None:
-        check_repeats(repeats)
-        if self.spec is not None:
-            self._regather(torch.arange(self.spec.batch).repeat_interleave(repeats))
+    def gather(self, index: torch.Tensor) -> None:
+        """Same batch: in place (the buffers keep their addresses, as a compiled step needs); else anew."""
+        if self.spec is None:
+            return
+        if index.numel() != self.spec.batch:
+            return self._regather(index)
+        idx = index.to(self.position.device)
+        for buf in self._buffers():
+            buf.copy_(buf.index_select(0, idx))
 
     def reset(self) -> None:
         self.spec = self.codecs = None
