@@ -42,7 +42,8 @@ import torch
 
 from tiercache.cache.accounting import by_place, plus_device, summed
 from tiercache.errors import CacheError
-from tiercache.layers.base import Delegating, KVLayer, check_crop
+from tiercache.layers.base import KVLayer, check_crop
+from tiercache.layers.delegating import Delegating
 from tiercache.layers.state import expect, nest, part
 
 
@@ -172,7 +173,7 @@ class WithSideState(Delegating):
 
     @property
     def is_initialized(self) -> bool:
-        return self.inner.is_initialized if self.attention is not None else self.side.holds()
+        return self.inner.is_initialized if self.attention is not None else bool(self.side.tensors())
 
     # -- whole-layer operations: both parts -------------------------------------------------------
     def validate_crop(self, n: int) -> None:

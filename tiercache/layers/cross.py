@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from tiercache.layers.base import Delegating, KVLayer
+from tiercache.layers.base import KVLayer
+from tiercache.layers.delegating import Delegating
 
 
 class CrossAttention(Delegating):

@@ -70,7 +70,8 @@ import dataclasses
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.layers.base import Delegating, KVLayer
+from tiercache.layers.base import KVLayer
+from tiercache.layers.delegating import Delegating
 from tiercache.layers.spec import KVSpec, check_pair
 from tiercache.layers.state import expect, nest, part
 from tiercache.policy.schema import OffloadPolicy
