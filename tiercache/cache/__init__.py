@@ -2,12 +2,13 @@
 
 Modules: ``tiered`` (``TieredCache``, the ``transformers.Cache`` subclass), ``chain`` (the chain
 builder, the only constructor of a layer's processors, from the planner's ``ChainSpec``),
-``fork`` / ``retier`` (a copy; a live cache moved to another policy), ``legacy``
-(tuple caches in and out), ``placeholders`` (KV-sharing layers), ``prefill`` (chunked prefill and
-``tiercache.generate``), ``compat`` (the keyword a cache is passed under), ``state_layer`` /
-``hybrid_states`` / ``layer_roles`` (hybrid and recurrent models' conv / recurrent states),
-``side_state`` / ``indexed_layer`` / ``compressed_layer`` (attention layers that keep more than K/V:
-sparse attention's indexer keys, DeepSeek-V4's compressor state).
+``fork`` / ``retier`` (a copy; a live cache moved to another policy), ``legacy`` (tuple caches in
+and out), ``inputs`` (a policy for a model, ``auto`` planned), ``layer_roles`` (which layer is a
+KV-sharing placeholder, stores K/V or keeps a state: one table), ``prefill`` (chunked prefill and
+``tiercache.generate``), ``compat`` (the keyword a cache is passed under), ``side_state`` (a layer's
+chain plus an exact side state) and its kinds: ``state_layer`` (hybrid and recurrent models' conv /
+recurrent states), ``indexed_layer`` / ``compressed_layer`` (sparse attention's indexer keys,
+DeepSeek-V4's compressor state).
 
 ``TieredCache``, ``TieredEncoderDecoderCache`` and ``generate`` are imported lazily, so that
 ``tiercache.cache.chain`` loads without transformers.

@@ -8,18 +8,12 @@
     cache.offload_stats()     # offload counters: bytes_h2d, bytes_d2h, fetches, side_fetches, host_waits
 
 It needs no ``cache_position``: each layer counts the tokens it has seen. Every transformers
-cache method is answered by the chains (``tiercache.layers.base`` protocol), and errors from a
-layer are re-raised as ``CacheError`` naming the layer index. An update is checked once, here
-(``tiercache.layers.validate``), then appended to the chain, which trusts it; ``layers[i].keys`` / ``.values``
-are what a layer holds (``KVLayer.keys``). ``crop`` follows transformers 5.x (see ``crop``); a
-crop a sliding layer cannot give exactly changes no layer. KV-sharing layers that reuse another
-layer's K/V are transformers' placeholders (``tiercache.cache.placeholders``). Hybrid and recurrent
-models (Mamba, Jamba, Falcon-H1 ...): layers with a conv / recurrent state are ``StateLayer``s
-(``tiercache.cache.state_layer``), reached through transformers' state methods
-(``tiercache.cache.hybrid_states``).
-
-Returned K/V may be views of internal buffers, valid until the next call on the cache (as with
-transformers' own caches, attention consumes them at once).
+cache method is answered by the chains (``tiercache.layers.base`` protocol); a layer's
+``CacheError`` is re-raised naming the layer index. An update is checked once, here
+(``tiercache.layers.validate``), then appended to the chain, which trusts it. Which layer is a
+KV-sharing placeholder, stores K/V or keeps a conv / recurrent state (``StateLayer``,
+``tiercache.cache.state_layer``) is one table made at construction (``tiercache.cache.layer_roles``).
+Returned K/V may be views of internal buffers, valid until the next call on the cache.
 
 Lifecycle (``tiercache.lifecycle``): ``fork()`` (= ``copy.deepcopy``), ``retier(policy)``, ``save`` /
 ``load``, ``release_transients()`` (free the workspace and prefetch slots of a cache set aside);
@@ -30,27 +24,22 @@ legacy tuples (``tiercache.cache.legacy``): ``from_legacy`` / ``to_legacy``; enc
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 
-from tiercache.cache import accounting
+from tiercache.cache import accounting, inputs
 from tiercache.cache.chain import Shared, build_layers
 from tiercache.planner.cross_attention import check_supported, cross_layer_policies
-from tiercache.cache.hybrid_states import HybridStates
 from tiercache.cache.layer_roles import LayerRoles
-from tiercache.errors import CacheError, PolicyError
+from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer
 from tiercache.layers.validate import check_layer_index, check_room, check_update
 from tiercache.models.spec import ModelSpec, model_type_of, spec_of
-from tiercache.cache.placeholders import Placeholders
 from tiercache.policy.schema import Policy, load_policy
 
-AUTO_CONTEXT = 4096  # tokens an auto policy is planned for when neither context_length nor max_length is given
 
 
-class TieredCache(HybridStates, Cache):
+class TieredCache(Cache):
     compiled = False  # the chain builder's mode for this class (``CompileableCache``: True)
 
     def __init__(self, layers: list[KVLayer], policy: Policy, model: ModelSpec, shared=None,
@@ -60,9 +49,8 @@ class TieredCache(HybridStates, Cache):
         self.model = model
         self.model_type = model_type  # the config's model_type (part of a save's model fingerprint)
         self.token_ids: list | None = None  # set by load() when the save had them
-        self._shared = shared
-        self._reuse = Placeholders(model)  # KV sharing: transformers' DummyLayer rules for these
-        self._roles = LayerRoles(model, self._reuse)  # which layers store K/V, keep states (hybrid models)
+        self._shared = shared if shared is not None else Shared()  # what the layers share (workspace, prefetcher)
+        self._roles = LayerRoles(model, len(layers))  # placeholders, K/V and state layers: fixed at construction
 
     @classmethod
     def _build(cls, policy: Policy, model: ModelSpec, model_type: str | None = None) -> "TieredCache":
@@ -77,40 +65,14 @@ class TieredCache(HybridStates, Cache):
 
     @classmethod
     def from_policy(cls, policy, model_config, batch_size: int = 1, context_length: int | None = None) -> "TieredCache":
-        """Build from a Policy, a YAML path or a dict, for a transformers config (or a ModelSpec).
-
-        ``batch_size`` and ``context_length`` are only used by ``auto: true`` policies, which
-        let the planner choose the least lossy rung that fits the budget; without a context
-        length the policy's ``max_length`` is planned for, else 4096 tokens, and a
-        ``UserWarning`` says so (the rung that fits 4096 tokens may not fit the run's context).
-        """
-        policy = load_policy(policy)
-        model = spec_of(model_config)
-        if model.cross_attention and not isinstance(model_config, ModelSpec):
-            raise PolicyError(
-                f"{type(model_config).__name__} is an encoder-decoder model: its layers attend to themselves and to "
-                "the encoder, so it needs TieredCache.for_encoder_decoder(policy, config) (an EncoderDecoderCache "
-                "of two TieredCaches)"
-            )
-        if policy.auto:
-            from tiercache.planner.api import check_sizes, choose
-
-            context = context_length if context_length is not None else (policy.max_length or AUTO_CONTEXT)
-            if context_length is None and policy.max_length is None:
-                warnings.warn(f"policy {policy.name!r} is auto: true and no context_length was given: its rung is "
-                              f"chosen for {AUTO_CONTEXT} tokens; pass context_length= (the tokens the cache will "
-                              "hold) or set policy.max_length", UserWarning, stacklevel=2)
-            check_sizes(batch_size, context)
-            policy = choose(policy, model, batch_size, context)
-        return cls._build(policy, model, model_type_of(model_config))
+        """Build from a Policy, a YAML path or a dict, for a transformers config (or a ModelSpec);
+        ``batch_size`` and ``context_length`` plan an ``auto: true`` policy (``tiercache.cache.inputs``)."""
+        return cls._build(*inputs.resolve(policy, model_config, batch_size, context_length))
 
     @classmethod
     def from_legacy(cls, past, policy, model_config, *, seq_length: int | None = None) -> "TieredCache":
-        """A cache holding a legacy past: a tuple of per-layer ``(key, value)`` tensors ``[B, H, S, D]``
-        (old transformers' ``past_key_values``). ``seq_length``: the tokens the past stands for, when
-        its layers are all sliding and trimmed (see ``tiercache.cache.legacy``). Bad input is a
-        ``CacheError`` before anything is built. Encoder-decoder models: four tensors per layer,
-        and the cache of ``for_encoder_decoder`` comes back."""
+        """A cache holding a legacy past (old transformers' per-layer tuples of tensors; ``seq_length``: the
+        tokens a trimmed all-sliding past stands for): ``tiercache.cache.legacy``."""
         from tiercache.cache import legacy
 
         return legacy.build(cls, past, load_policy(policy), spec_of(model_config), seq_length)
@@ -133,10 +95,10 @@ class TieredCache(HybridStates, Cache):
     # -- the write path --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self._layer(layer_idx)
-        self._reuse.check_update(layer_idx)
+        self._roles.check_update(layer_idx)
         self._on(layer_idx, lambda layer: check_update(layer, key_states, value_states, model=True))
-        if layer_idx == self._roles.first(len(self.layers)):
-            check_room({i: self.layers[i] for i in self._roles.kv_layers(len(self.layers))}, key_states.shape[2])
+        if layer_idx == self._roles.first:
+            check_room({i: self.layers[i] for i in self._roles.kv_layers}, key_states.shape[2])
         return self._on(layer_idx, lambda layer: layer.append(key_states, value_states))
 
     # -- what transformers asks ------------------------------------------------------------------
@@ -153,11 +115,39 @@ class TieredCache(HybridStates, Cache):
         if layer_idx is None:
             return max(self.get_max_length(i) for i in range(len(self.layers)))
         layer = self._layer(layer_idx)
-        return -1 if layer_idx in self._reuse else layer.max_length()
+        return -1 if layer_idx in self._roles else layer.max_length()
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [layer.is_sliding and i not in self._reuse for i, layer in enumerate(self.layers)]
+        return [layer.is_sliding and i not in self._roles for i, layer in enumerate(self.layers)]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """True for the layers with a conv / recurrent state and no attention (transformers' meaning)."""
+        return list(self._roles.is_linear)
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        """True for KV-sharing placeholders and layers that cache nothing (``mlp`` / ``moe`` of hybrid models)."""
+        return list(self._roles.is_dummy)
+
+    # -- conv / recurrent states (hybrid models): the layer's StateLayer answers ---------------------
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self._stateful(layer_idx, "get_conv_state").conv_state(state_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        return self._stateful(layer_idx, "update_conv_state").update_conv_state(conv_states, state_idx, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self._stateful(layer_idx, "get_recurrent_state").recurrent_state(state_idx)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        layer = self._stateful(layer_idx, "update_recurrent_state")
+        return layer.update_recurrent_state(recurrent_states, state_idx, **kwargs)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        i = self._roles.last_stateful() if layer_idx is None else layer_idx  # transformers: the last
+        return self._stateful(i, "has_previous_state").has_previous_state(state_idx)
 
     @property
     def is_compileable(self) -> bool:
@@ -170,17 +160,13 @@ class TieredCache(HybridStates, Cache):
     @property
     def is_initialized(self) -> bool:
         """transformers' meaning: every layer that stores has had an update since it was built or reset."""
-        stores = [i for i in self._roles.kv_layers(len(self.layers)) if not self.model.states(i)]  # (not hybrid ones)
+        stores = [i for i in self._roles.kv_layers if not self._roles.has_state[i]]  # (not hybrid ones)
         return bool(stores) and all(self.layers[i].is_initialized for i in stores)
 
     @property
     def batch_size(self) -> int:
         """The batch held, -1 before any update (as StaticCache; DynamicCache always says -1)."""
-        for layer in self.layers:
-            batch = layer.batch_size()
-            if batch is not None:
-                return batch
-        return -1
+        return next((batch for batch in (layer.batch_size() for layer in self.layers) if batch is not None), -1)
 
     def early_initialization(self, *args, **kwargs) -> None:
         """Layers learn batch, heads, dtype and device from their first update: nothing to do."""
@@ -202,7 +188,7 @@ class TieredCache(HybridStates, Cache):
                              "crop(x - cache.get_seq_length()) keeps the first x")
         # All or nothing: every layer validates first; sliding layers (the only ones that may refuse)
         # crop first; placeholders (KV sharing: reuse) ignore crop, as transformers' do.
-        order = sorted(self._reuse.stores(len(self.layers)), key=lambda i: not self.layers[i].is_sliding)
+        order = sorted(self._roles.stores, key=lambda i: not self.layers[i].is_sliding)
         self._each(lambda layer: layer.validate_crop(-x), order)
         self._each(lambda layer: layer.crop(-x), order)
 
@@ -219,8 +205,7 @@ class TieredCache(HybridStates, Cache):
         """Empty every layer and free the shared buffers (workspace, prefetch slots): ``nbytes()`` is {} after
         (but for the conv / recurrent states of hybrid models, zeroed in place as transformers does)."""
         self._each(lambda layer: layer.reset())
-        if self._shared is not None:
-            self._shared.close()  # re-created on demand
+        self._shared.close()  # re-created on demand
 
     def release_transients(self) -> None:
         """Free the buffers only a cache in use needs, keeping every token: each layer's device
@@ -229,21 +214,19 @@ class TieredCache(HybridStates, Cache):
         which gives the same K/V. For a cache set aside (a stored conversation): it then holds,
         and ``nbytes()`` / ``tier_nbytes()`` report, only its own state."""
         self._each(lambda layer: layer.evict())
-        if self._shared is not None:
-            self._shared.close()
+        self._shared.close()
 
     def activate_past_recording(self) -> None:
-        self._each(lambda layer: layer.set_recording(True), self._reuse.stores(len(self.layers)))
+        self._each(lambda layer: layer.set_recording(True), self._roles.stores)
 
     def is_recording_past(self, layer_idx: int) -> bool:
-        return self._layer(layer_idx).record_past and layer_idx not in self._reuse
+        return self._layer(layer_idx).record_past and layer_idx not in self._roles
 
     def close(self) -> None:
         """Release every buffer and file now (also done when the cache is garbage-collected). The cache
         is then empty and may be used again, as after ``reset`` (it allocates anew)."""
         self._each(lambda layer: layer.close())
-        if self._shared is not None:
-            self._shared.close()
+        self._shared.close()
 
     # -- accounting ------------------------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:
@@ -259,11 +242,11 @@ class TieredCache(HybridStates, Cache):
         """The part of ``nbytes()`` in buffers shared by all layers, per place: the dequantization
         workspace (one layer at full precision) and the offload prefetch slots (prefetch + 1
         layers). They do not grow with the number of layers; the rest is the per-layer state."""
-        return self._shared.nbytes() if self._shared is not None else {}
+        return self._shared.nbytes()
 
     def offload_stats(self) -> dict[str, int]:
         """The offload counters so far (``tiercache.offload.prefetch``); zeros without offload."""
-        return (self._shared or Shared()).prefetcher.stats()
+        return self._shared.prefetcher.stats()
 
     # -- lifecycle (tiercache.lifecycle) --------------------------------------------------------
     def state_dict(self) -> dict:
@@ -309,10 +292,10 @@ class TieredCache(HybridStates, Cache):
 
     def shared_buffers(self) -> list[torch.Tensor]:
         """The tensors behind ``shared_nbytes()`` (e.g. for ``tiercache.lifecycle.AllocationMeter``)."""
-        return self._shared.buffers() if self._shared is not None else []
+        return self._shared.buffers()
 
     def __repr__(self) -> str:
-        seen = self.get_seq_length() if self._roles.kv_layers(len(self.layers)) else "-"
+        seen = self.get_seq_length() if self._roles.kv_layers else "-"
         return f"TieredCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={seen})"
 
     # -- internals -------------------------------------------------------------------------------
@@ -324,7 +307,13 @@ class TieredCache(HybridStates, Cache):
         """The layer that answers ``what`` for ``layer_idx`` (a placeholder 0, or a layer 0 without
         attention: the first that stores K/V, as transformers answers)."""
         self._layer(layer_idx)
-        return self.layers[self._roles.answering(layer_idx, len(self.layers), what)]
+        return self.layers[self._roles.answering(layer_idx, what)]
+
+    def _stateful(self, layer_idx: int, what: str):
+        """Layer ``layer_idx``, a ``StateLayer`` with a conv / recurrent state, else ``CacheError``."""
+        layer = self._layer(layer_idx)
+        self._roles.stateful(layer_idx, what)
+        return layer
 
     def _on(self, i: int, op):
         """``op(layers[i])``; its CacheError names the layer index."""

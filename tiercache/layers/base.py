@@ -26,8 +26,11 @@ Required
         Raise ``CacheError`` if ``crop(n)`` would be refused, changing nothing (the default
         checks ``n`` is an int ``>= 0``; a sliding layer also checks it still holds the tokens it
         would need after the crop). ``TieredCache.crop`` asks every layer first, so a refused crop changes no layer.
-    reorder(beam_idx) / select(indices) / repeat_interleave(repeats)
-        Batch-dimension operations: beam reorder (gather), batch select, batch repeat-interleave.
+    gather(index)
+        Keep batch rows ``index`` (a checked long tensor ``[B']``): the one batch primitive. Beam
+        reorder (``B' == B``), batch select (fewer) and repeat-interleave (more) are made of it
+        here, checked against ``batch_size()`` (``reorder`` / ``select`` / ``repeat_interleave``,
+        no-ops on a layer never written). A layer with nothing held just takes the new batch.
     reset()
         Drop everything; the layer is as new (it may re-learn shape, dtype and device).
     kv() -> (keys, values) | None
@@ -62,7 +65,8 @@ Lifecycle (what save / load / fork / retier are made of)
     export() -> (keys, values, seen) | None
         What the layer holds at full precision, ``[B, H, S, D]`` on the compute device (the
         newest ``S`` of ``seen`` tokens; quantized blocks dequantized into fresh tensors, other
-        layers may return views), None before the first update. No side effect.
+        layers may return views), None before the first update. No side effect. The default is
+        ``peek()`` with ``seq_length()``.
     ingest(keys, values, seen)
         Bulk load, not an attention step: afterwards the layer holds what it would hold had it
         been fed ``seen`` tokens ending with these (a sliding layer keeps its window and its
@@ -79,6 +83,12 @@ Optional hooks (no-op defaults here)
                         same block format move without re-quantization); False / refused by default
     set_recording(on)   keep tokens a sliding layer would drop until the next crop (assisted decoding)
     close()             release files and buffers for good
+
+The lifecycle four are the ``Lifecycle`` protocol (``state_dict``, ``load_state_dict``,
+``export``, ``ingest``): what save / load / fork / retier need, apart from what attention needs.
+
+A wrapper derives from ``tiercache.layers.delegating.Delegating(inner)``: every call of both
+protocols and every hook goes to ``inner`` unchanged, and a wrapper states only what it changes.
 
 Class attributes: ``is_sliding``, ``is_compileable``, ``max_length()`` (-1 when unbounded);
 ``is_initialized`` (property: updated since built or reset).
@@ -103,7 +113,23 @@ from tiercache.layers.spec import KVSpec
 from tiercache.layers.validate import check_update
 
 
-class KVLayer(ABC):
+class Lifecycle(ABC):
+    """What save / load / fork / retier are made of (module docstring: Lifecycle)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict: ...
+
+    @abstractmethod
+    def load_state_dict(self, sd: dict) -> None: ...
+
+    @abstractmethod
+    def export(self) -> tuple[torch.Tensor, torch.Tensor, int] | None: ...
+
+    @abstractmethod
+    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None: ...
+
+
+class KVLayer(Lifecycle):
     is_sliding: bool = False
     is_compileable: bool = False
     policy = None  # the LayerPolicy it was built from (set by the chain builder on a chain's outer layer)
@@ -129,13 +155,28 @@ class KVLayer(ABC):
     def crop(self, n: int) -> None: ...
 
     @abstractmethod
-    def reorder(self, beam_idx: torch.Tensor) -> None: ...
+    def gather(self, index: torch.Tensor) -> None: ...
 
-    @abstractmethod
-    def select(self, indices: torch.Tensor) -> None: ...
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        self._gather_checked(beam_idx, "reorder")
 
-    @abstractmethod
-    def repeat_interleave(self, repeats: int) -> None: ...
+    def select(self, indices: torch.Tensor) -> None:
+        self._gather_checked(indices, "select")
+
+    def repeat_interleave(self, repeats: int) -> None:
+        check_repeats(repeats)
+        batch = self._rows()
+        if batch is not None:
+            self.gather(torch.arange(batch).repeat_interleave(repeats))
+
+    def _gather_checked(self, indices: torch.Tensor, what: str) -> None:
+        batch = self._rows()
+        if batch is not None:  # never written (or reset): nothing to gather, as in transformers
+            self.gather(check_batch_indices(indices, batch, what))
+
+    def _rows(self) -> int | None:
+        """The batch a gather is checked against (``batch_size()``)."""
+        return self.batch_size()
 
     @abstractmethod
     def reset(self) -> None: ...
@@ -175,17 +216,9 @@ class KVLayer(ABC):
     @abstractmethod
     def batch_size(self) -> int | None: ...
 
-    @abstractmethod
-    def state_dict(self) -> dict: ...
-
-    @abstractmethod
-    def load_state_dict(self, sd: dict) -> None: ...
-
-    @abstractmethod
-    def export(self) -> tuple[torch.Tensor, torch.Tensor, int] | None: ...
-
-    @abstractmethod
-    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None: ...
+    def export(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        held = self.peek()
+        return None if held is None else (*held, self.seq_length())
 
     def max_length(self) -> int:
         return -1

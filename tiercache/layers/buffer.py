@@ -53,7 +53,7 @@ class Buffer:
         """Views of held tokens ``[lo, hi)`` (relative to the oldest held token)."""
         hi = len(self) if hi is None else hi
         a, b = self.start + lo, self.start + hi
-        return self.keys[:, :, a:b], self.values[:, :, a:b]  # [B, H, hi-lo, D]
+        return self.keys.narrow(2, a, b - a), self.values.narrow(2, a, b - a)  # [B, H, hi-lo, D] (narrow: cheaper than [:, :, a:b])
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Views of every held token; None before the first append (or after ``clear``)."""
@@ -122,8 +122,8 @@ class Buffer:
                 if first:  # a refused first write leaves the buffer as new (free to take another shape)
                     self.spec = None
                 raise
-        self.keys[:, :, self.end : self.end + t].copy_(key, non_blocking=True)
-        self.values[:, :, self.end : self.end + t].copy_(value, non_blocking=True)
+        self.keys.narrow(2, self.end, t).copy_(key, non_blocking=True)
+        self.values.narrow(2, self.end, t).copy_(value, non_blocking=True)
         self.end += t
 
     def reserve(self, tokens: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
+from tiercache.layers.base import KVLayer, check_crop
 from tiercache.layers.buffer import CHUNK, Buffer
 from tiercache.layers.state import check_ingest, expect, nest, part
 from tiercache.layers.tiers import ComputeTier
@@ -31,19 +31,9 @@ class FullLayer(KVLayer):
     def crop(self, n: int) -> None:
         self.buffer.truncate(check_crop(n, self.seq_length()))
 
-    def reorder(self, beam_idx: torch.Tensor) -> None:
-        if self.buffer.spec is None:  # never written (or reset): nothing to reorder, as in transformers
-            return
-        self._gather(check_batch_indices(beam_idx, self._batch(), "reorder"))
-
-    def select(self, indices: torch.Tensor) -> None:
-        if self.buffer.spec is None:  # never written (or reset): nothing to select, as in transformers
-            return
-        self._gather(check_batch_indices(indices, self._batch(), "select"))
-
-    def repeat_interleave(self, repeats: int) -> None:
-        check_repeats(repeats)
-        self._gather(torch.arange(self._batch()).repeat_interleave(repeats))
+    def gather(self, index: torch.Tensor) -> None:
+        if self.buffer.spec is not None:
+            self.buffer.gather(index)
 
     def reserve(self, tokens: int) -> None:
         self.buffer.reserve(tokens)
@@ -82,17 +72,5 @@ class FullLayer(KVLayer):
         expect(sd, "full")
         self.buffer.load_state_dict(part(sd, "buffer."), "full")
 
-    def export(self):
-        if self.buffer.spec is None:
-            return None
-        k, v = self.buffer.held()
-        return k, v, len(self.buffer)
-
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
         self.buffer.ingest(key, value, check_ingest(key, value, seen, "full", whole=True))
-
-    def _batch(self) -> int:
-        return self.buffer.spec.batch if self.buffer.spec is not None else 0
-
-    def _gather(self, index: torch.Tensor) -> None:
-        self.buffer.gather(index)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
+from tiercache.layers.base import KVLayer, check_crop
 from tiercache.layers.buffer import CHUNK, Buffer
 from tiercache.layers.capacity import long_update, sliding_slack
 from tiercache.layers.spec import KVSpec
@@ -103,19 +103,9 @@ class SlidingLayer(KVLayer):
         self.seen -= n
         self._trim(always=True)  # a crop ends a recorded step: back to the working size
 
-    def reorder(self, beam_idx: torch.Tensor) -> None:
-        if self.buffer.spec is None:  # never written (or reset): nothing to reorder, as in transformers
-            return
-        self.buffer.gather(check_batch_indices(beam_idx, self._batch(), "reorder"))
-
-    def select(self, indices: torch.Tensor) -> None:
-        if self.buffer.spec is None:  # never written (or reset): nothing to select, as in transformers
-            return
-        self.buffer.gather(check_batch_indices(indices, self._batch(), "select"))
-
-    def repeat_interleave(self, repeats: int) -> None:
-        check_repeats(repeats)
-        self.buffer.gather(torch.arange(self._batch()).repeat_interleave(repeats))
+    def gather(self, index: torch.Tensor) -> None:
+        if self.buffer.spec is not None:
+            self.buffer.gather(index)
 
     def reset(self) -> None:
         self.buffer.clear()
@@ -156,12 +146,6 @@ class SlidingLayer(KVLayer):
         self.buffer.load_state_dict(part(sd, "buffer."), "sliding")
         self.seen, self.recording = seen, recording
 
-    def export(self):
-        if self.buffer.spec is None:
-            return None
-        k, v = self.buffer.held()
-        return k, v, self.seen
-
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
         """Hold the last ``window - 1`` of the given tokens (all of them while recording)."""
         spec = check_ingest(key, value, seen, "sliding", whole=False)
@@ -170,8 +154,6 @@ class SlidingLayer(KVLayer):
         self.buffer.ingest(key.narrow(2, at, keep), value.narrow(2, at, keep), spec, slack=self.slack)
         self.seen = seen
 
-    def _batch(self) -> int:
-        return self.buffer.spec.batch if self.buffer.spec is not None else 0
 
     def _trim(self, always: bool = False) -> None:
         extra = len(self.buffer) - (self.window - 1)

@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.layers.base import KVLayer, check_batch_indices, check_crop, check_repeats
+from tiercache.layers.base import KVLayer, check_crop
 from tiercache.layers.spec import KVSpec
-from tiercache.layers.state import check_ingest, empty_pair, expect, field, held_pair, spec_from, spec_state
+from tiercache.layers.state import check_ingest, expect, field, held_pair, spec_from, spec_state
 from tiercache.layers.tiers import ComputeTier
 
 
@@ -115,20 +115,15 @@ class StaticLayer(KVLayer):
             self.position.sub_(n)
             self.length -= n
 
-    def reorder(self, beam_idx: torch.Tensor) -> None:
-        if self.spec is not None:
-            idx = check_batch_indices(beam_idx, self.spec.batch, "reorder").to(self.position.device)
-            for buf in self._buffers():
-                buf.copy_(buf.index_select(0, idx))
-
-    def select(self, indices: torch.Tensor) -> None:
-        if self.spec is not None:
-            self._regather(check_batch_indices(indices, self.spec.batch, "select"))
-
-    def repeat_interleave(self, repeats: int) -> None:
-        check_repeats(repeats)
-        if self.spec is not None:
-            self._regather(torch.arange(self.spec.batch).repeat_interleave(repeats))
+    def gather(self, index: torch.Tensor) -> None:
+        """Same batch: in place (the buffers keep their addresses, as a compiled step needs); else anew."""
+        if self.spec is None:
+            return
+        if index.numel() != self.spec.batch:
+            return self._regather(index)
+        idx = index.to(self.position.device)
+        for buf in self._buffers():
+            buf.copy_(buf.index_select(0, idx))
 
     def reset(self) -> None:
         if self.spec is not None:
@@ -180,12 +175,6 @@ class StaticLayer(KVLayer):
         length = field(sd, "length", self.kind)
         self._room(length)
         self._load(spec, length, sd)
-
-    def export(self):
-        if self.spec is None:
-            return None
-        k, v = self.kv() or empty_pair(self.spec)
-        return k, v, self.length
 
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
         spec = check_ingest(key, value, seen, self.kind, whole=True)

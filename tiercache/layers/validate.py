@@ -55,12 +55,14 @@ _FIELDS = (
 
 
 def check_update(layer, key: torch.Tensor, value: torch.Tensor, model: bool = False) -> None:
+    held = layer.layout()
+    if held is not None and held.takes(key, value) and (not model or key.is_floating_point()):
+        return check_room({None: layer}, key.shape[2])  # the decode step's path: the layout it holds
     if model:
         for name, t in (("key_states", key), ("value_states", value)):
             if isinstance(t, torch.Tensor) and not t.is_floating_point():
                 raise CacheError(f"{name} must be floating point, got {t.dtype}")
     check_pair(key, value)
-    held = layer.layout()
     if held is not None:
         got = KVSpec.read(key, value)
         for field, what in _FIELDS:

@@ -72,6 +72,7 @@ import torch
 from tiercache import runtime
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer
+from tiercache.layers.delegating import Delegating
 from tiercache.layers.spec import KVSpec, check_pair
 from tiercache.layers.state import expect, nest, part
 from tiercache.layers.tiers import HostTier
@@ -96,17 +97,16 @@ def offloaded(make_storage_on, config: OffloadPolicy, prefetcher: Prefetcher, in
                    deferred=config.device == "cpu")
 
 
-class Offload(KVLayer):
+class Offload(Delegating):
     def __init__(self, inner: KVLayer, prefetcher: Prefetcher, index: int = 0, depth: int = 1,
                  owned_outputs: bool = False, deferred: bool = False):
         if depth < 0:
             raise CacheError(f"offload prefetch depth must be >= 0, got {depth}")
-        self.inner = inner
+        super().__init__(inner)
         self.owned_outputs = owned_outputs
         self.prefetcher = prefetcher
         self.index = index
         self.depth = depth
-        self.is_sliding = inner.is_sliding
         limit = inner.max_length()
         self.pad = limit if (not inner.is_sliding and limit > 0) else 0  # static: views span max_length
         self.device: torch.device | None = None  # the compute device, from the first update (sets `home`)
@@ -190,38 +190,14 @@ class Offload(KVLayer):
         kv_length, offset = self.inner.mask_sizes(query_length)
         return kv_length + writeback.staged_tokens(self), offset  # staged only on full / static storage: no window offset
 
-    def max_length(self) -> int:
-        return self.inner.max_length()
-
     def validate_crop(self, n: int) -> None:
         self._settle()
         self.inner.validate_crop(n)
 
-    # Host-side operations: pending write-backs join the host copy, the mirror is dropped
-    # (``_release_mirror``), then the host layer changes; the next use fetches it again.
-    def crop(self, n: int) -> None:
+    def changing(self) -> None:
+        """Host-side operations (crop, gather, set_recording, evict: ``Delegating``): pending write-backs
+        join the host copy, the mirror is dropped, then the host layer changes; the next use fetches it again."""
         self._release_mirror()
-        self.inner.crop(n)
-
-    def reorder(self, beam_idx: torch.Tensor) -> None:
-        self._release_mirror()
-        self.inner.reorder(beam_idx)
-
-    def select(self, indices: torch.Tensor) -> None:
-        self._release_mirror()
-        self.inner.select(indices)
-
-    def repeat_interleave(self, repeats: int) -> None:
-        self._release_mirror()
-        self.inner.repeat_interleave(repeats)
-
-    def set_recording(self, on: bool) -> None:
-        self._release_mirror()
-        self.inner.set_recording(on)
-
-    @property
-    def recording(self) -> bool:
-        return self.inner.record_past
 
     def reset(self) -> None:
         self.staged.clear()  # pending write-backs (or a failed one) are of no use: the layer empties
@@ -329,13 +305,6 @@ class Offload(KVLayer):
         """The host copy as the wrapped layer exports it (host tensors, ``seen``), staged write-backs joined."""
         self._settle()
         return self.inner.export()
-
-    def reserve(self, tokens: int) -> None:
-        """The host copy's room (the wrapped layer's); the mirror follows the host rows' capacity."""
-        self.inner.reserve(tokens)
-
-    def evict(self) -> None:
-        self._release_mirror()  # the prefetcher drops the mirror: no view of the slot is left
 
     def prefetch(self) -> None:
         if self.device is not None and self.inner.kv() is not None:

@@ -86,7 +86,7 @@ import dataclasses
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.layers.base import KVLayer, check_batch_indices, check_repeats
+from tiercache.layers.base import KVLayer
 from tiercache.layers.spec import KVSpec
 from tiercache.policy.schema import QuantizePolicy
 from tiercache.quantize import crop as quantize_crop, state as quantize_state
@@ -203,21 +203,15 @@ class Quantize(KVLayer):
     def crop(self, n: int) -> None:
         quantize_crop.crop(self, n)
 
-    def reorder(self, beam_idx: torch.Tensor) -> None:
-        if self.spec is not None:
-            index = check_batch_indices(beam_idx, self.spec.batch, "reorder")
-            self._gather(index, lambda store: store.reorder(index))
-
-    def select(self, indices: torch.Tensor) -> None:
-        if self.spec is not None:
-            index = check_batch_indices(indices, self.spec.batch, "select")
-            self._gather(index, lambda store: store.select(index))
-
-    def repeat_interleave(self, repeats: int) -> None:
-        check_repeats(repeats)
-        if self.spec is not None:
-            self._gather(torch.arange(self.spec.batch).repeat_interleave(repeats),
-                         lambda store: store.repeat_interleave(repeats))
+    def gather(self, index: torch.Tensor) -> None:
+        """Batch rows ``index`` of the packed blocks, then of the residual and sinks."""
+        if self.spec is None:
+            return
+        if self.stored:
+            self.store.gather(index)
+        self.residual.gather(index.to(self.spec.device))
+        self.sinks.gather(index.to(self.spec.device))
+        self.spec = self.spec.with_batch(index.numel())
 
     def reset(self) -> None:
         self.store.reset()
@@ -390,11 +384,3 @@ class Quantize(KVLayer):
                 lo = max(lo - count, 0)
         return outs[0], outs[1]
 
-    def _gather(self, index: torch.Tensor, on_store) -> None:
-        """Batch rows ``index`` of the residual and sinks, after ``on_store(self.store)`` (the same
-        batch operation on the packed blocks, which validates before the residual changes)."""
-        if self.stored:
-            on_store(self.store)
-        self.residual.gather(index.to(self.spec.device))
-        self.sinks.gather(index.to(self.spec.device))
-        self.spec = self.spec.with_batch(index.numel())
