@@ -103,5 +103,5 @@ def test_profile_prefill_compares_the_worker_with_its_floor(tmp_path):
     for text in ("| worker (tiercache serve's steps) |", "| tiered (tiercache.generate's prefill) |",
                  "| floor (model(ids), chunks of 64, DynamicCache) | ", "| one shot (model(ids), DynamicCache) |"):
         assert text in out.stdout, f"{text!r} missing:\n{out.stdout[-3000:]}"
-    # the worker's cache is reserved for prompt + max_tokens: its prefill regrows (copies) nothing
+    # the worker's cache is reserved for the prompt: its prefill regrows (copies) nothing
     assert "worker: regrowth copied 0.0 MiB per prefill" in out.stdout, out.stdout[-3000:]

@@ -2,7 +2,7 @@
 
 A chunk's work outside attention must not grow with the history already fed: one cache update
 per layer, no copy of the held K/V (each layer's keys stay views of one allocation, sized once
-for prompt + max_tokens), one forward per chunk. Counted, never timed. A stored history's next
+for the prompt), one forward per chunk. Counted, never timed. A stored history's next
 turn feeds only its new tokens. Results are checked against a full-precision reference."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_per_chunk_work_does_not_grow_with_the_history(tiny, monkeypatch, prompt
     assert [n for n, _ in prefill] == [min(chunk, prompt_len - a) for a in range(0, prompt_len, chunk)]
     assert all(u == layers for _, u in rec.forwards)  # one update per layer and forward, whatever the history
     assert all(len(s) == 1 for s in rec.storages.values()), rec.storages  # never a copy of the held K/V
-    assert regrowth.copied() == copied  # sized once for prompt + max_tokens: no regrowth on any tier
+    assert regrowth.copied() == copied  # sized once for the prompt: no regrowth on any tier
     (entry_ids, cache), = stored(w).items()
     assert_kv_matches(model, entry_ids, cache)
 

@@ -98,14 +98,15 @@ class Sequence:
 
     def checkout(self) -> None:
         """The store's longest prefix of the prompt, or a new cache (the keeper's thread, with a store),
-        reserved for the prompt plus ``max_tokens`` (the bytes the store reserved for it): a
-        full-precision layer allocates that room once, so the prefill chunks and decode steps
-        land in place instead of regrowing and copying the held K/V as the history grows."""
+        reserved for the whole prompt: a full-precision layer allocates that room once, so the
+        prefill chunks land in place instead of regrowing and copying the held K/V as the history
+        grows. Not ``max_tokens`` too: a stored entry keeps its capacity, and an answer that stops
+        early must not leave unused room charged to the store (decode grows geometrically)."""
         ids = self.job.ids
         cache, n = self.w.store.checkout(ids, scope=self.job.scope) if self.w.store is not None else (None, 0)
         if cache is None:
             cache, n = self.w.new_cache(len(ids) + self.job.max_tokens), 0
-        reserve(cache, len(ids) + self.job.max_tokens)  # room for all of it at once: no chunk copies the held K/V
+        reserve(cache, len(ids))  # room for the whole prompt at once: no prefill chunk copies the held K/V
         self.cache, self.cached, self.fed = cache, n, n
 
     def _fork_choices(self, logits: torch.Tensor) -> None:
