@@ -20,7 +20,10 @@ architecture, ``bench/peer_server.py``), then ``tiercache serve`` (its default s
   into the history, as a client's would), sized so the history reaches that many tokens; then
   the time to first token of the next turn (median over ``--repeats`` next turns with other
   texts after the same history). For tiercache also the same next turn re-prefilled on its own
-  server: a fresh ``cache_salt`` per request, so no stored prefix matches.
+  server: a fresh ``cache_salt`` per request, so no stored prefix matches. For both servers also
+  the same next turn as a new conversation (``cold``): behind a system message naming a fresh
+  id, so neither tiercache's store nor ``transformers serve``'s shared cache blocks (on by
+  default) hold any of it: the two cold prefills side by side.
 
 Prints every figure and a table of ratios from this one run (tiercache / transformers serve for
 tokens/s; transformers serve / tiercache and re-prefill / stored for TTFT), with the targets of
@@ -85,17 +88,19 @@ def run_history(server, model: str, history: int, args, reprefill: bool) -> dict
     for r in range(args.repeats):
         nxt = [*messages, {"role": "user", "content": text_of(48 * CHARS_PER_TOKEN, 1000 + 311 * r)}]
         hit = timed_turn(server, model, nxt, 4)
-        run = {"prompt": hit["prompt"], "cached": hit["cached"], "ttft": hit["ttft"]}
+        cold = timed_turn(server, model, [{"role": "system", "content": f"Session {uuid.uuid4().hex}."}, *nxt], 4)
+        run = {"prompt": hit["prompt"], "cached": hit["cached"], "ttft": hit["ttft"], "ttft_cold": cold["ttft"]}
         if reprefill:
             cold = timed_turn(server, model, nxt, 4, extra_body={"cache_salt": f"cold-{uuid.uuid4().hex}"})
             run.update(ttft_reprefill=cold["ttft"], cached_reprefill=cold["cached"])
         row["runs"].append(run)
         print(f"  next turn after a {hit['prompt']}-token conversation ({hit['cached'] or 0} cached): "
-              f"TTFT {hit['ttft'] * 1e3:.0f} ms"
+              f"TTFT {hit['ttft'] * 1e3:.0f} ms; as a new conversation {run['ttft_cold'] * 1e3:.0f} ms"
               + (f"; re-prefilled (fresh cache_salt) {run['ttft_reprefill'] * 1e3:.0f} ms" if reprefill else ""),
               flush=True)
     row["prompt"] = row["runs"][0]["prompt"]
     row["ttft"] = statistics.median(r["ttft"] for r in row["runs"])
+    row["ttft_cold"] = statistics.median(r["ttft_cold"] for r in row["runs"])
     if reprefill:
         row["ttft_reprefill"] = statistics.median(r["ttft_reprefill"] for r in row["runs"])
     return row
@@ -120,6 +125,9 @@ def ratios(ours: dict, peer: dict) -> list[dict]:
         rows.append({"workload": f"next turn after {h} tokens of history, TTFT ms", "tiercache": mine["ttft"] * 1e3,
                      "peer": theirs["ttft"] * 1e3, "ratio": theirs["ttft"] / mine["ttft"],
                      "target": TARGETS["history_peer"] if h >= 4000 else None})
+        rows.append({"workload": f"  same turn as a new conversation (cold prefill), TTFT ms",
+                     "tiercache": mine["ttft_cold"] * 1e3, "peer": theirs["ttft_cold"] * 1e3,
+                     "ratio": theirs["ttft_cold"] / mine["ttft_cold"], "target": None})
         rows.append({"workload": f"  same, tiercache re-prefill / stored", "tiercache": mine["ttft"] * 1e3,
                      "peer": None, "reprefill": mine["ttft_reprefill"] * 1e3,
                      "ratio": mine["ttft_reprefill"] / mine["ttft"],

@@ -67,11 +67,13 @@ def test_quick_comparison_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "SKIP" not in out.stdout, out.stdout[-3000:]
     for text in ("transformers serve --continuous-batching:", "tiercache serve:", "| 2 user(s), aggregate tok/s |",
-                 "| next turn after 300 tokens of history, TTFT ms |", "re-prefill / stored", "wrote peer.json"):
+                 "| next turn after 300 tokens of history, TTFT ms |", "re-prefill / stored",
+                 "same turn as a new conversation (cold prefill), TTFT ms", "wrote peer.json"):
         assert text in out.stdout, f"{text!r} missing:\n{out.stdout[-3000:]}"
     result = json.loads((tmp_path / "peer.json").read_text())
     ours = result["tiercache"]["history"]["300"]["runs"][0]
     assert ours["cached"] > 0 and ours["prompt"] > 200  # the next turn reused the stored conversation
+    assert ours["ttft_cold"] > 0 and result["peer"]["history"]["300"]["runs"][0]["ttft_cold"] > 0
     assert all(r["ratio"] > 0 for r in result["ratios"])
 
 
@@ -91,3 +93,15 @@ def test_profile_step_breaks_a_step_down(tmp_path):
         # the parts are exclusive times inside the step: together they are the step (timers on)
         assert 0.5 * r["step_ms_with_timers"] < sum(parts.values()) < 1.5 * r["step_ms_with_timers"], r
         assert r["live"]["period_ms"] > 0
+
+
+@pytest.mark.slow
+def test_profile_prefill_compares_the_worker_with_its_floor(tmp_path):
+    out = run("profile_prefill.py", ["--model", "tiny-random", "--tokens", "600", "--chunk", "64", "--repeats", "1"],
+              tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for text in ("| worker (tiercache serve's steps) |", "| tiered (tiercache.generate's prefill) |",
+                 "| floor (model(ids), chunks of 64, DynamicCache) | ", "| one shot (model(ids), DynamicCache) |"):
+        assert text in out.stdout, f"{text!r} missing:\n{out.stdout[-3000:]}"
+    # the worker's cache is reserved for the prompt: its prefill regrows (copies) nothing
+    assert "worker: regrowth copied 0.0 MiB per prefill" in out.stdout, out.stdout[-3000:]

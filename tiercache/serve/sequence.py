@@ -41,6 +41,7 @@ import time
 
 import torch
 
+from tiercache.cache.prefill import reserve
 from tiercache.serve.batch import Row
 from tiercache.serve.errors import APIError, internal_error
 from tiercache.serve.sampling import Sampler
@@ -99,11 +100,16 @@ class Sequence:
             self._accept(logits, token)
 
     def checkout(self) -> None:
-        """The store's longest prefix of the prompt, or a new cache (the keeper's thread, with a store)."""
+        """The store's longest prefix of the prompt, or a new cache (the keeper's thread, with a store),
+        reserved for the whole prompt: a full-precision layer allocates that room once, so the
+        prefill chunks land in place instead of regrowing and copying the held K/V as the history
+        grows. Not ``max_tokens`` too: a stored entry keeps its capacity, and an answer that stops
+        early must not leave unused room charged to the store (decode grows geometrically)."""
         ids = self.job.ids
         cache, n = self.w.store.checkout(ids, scope=self.job.scope) if self.w.store is not None else (None, 0)
         if cache is None:
             cache, n = self.w.new_cache(len(ids) + self.job.max_tokens), 0
+        reserve(cache, len(ids))  # room for the whole prompt at once: no prefill chunk copies the held K/V
         self.cache, self.cached, self.fed = cache, n, n
 
     def _fork_choices(self, logits: torch.Tensor) -> None:
