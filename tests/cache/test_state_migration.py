@@ -5,7 +5,8 @@
 ``kernel.{i}``, ``state.conv.{i}`` / ``state.recurrent.{i}``, ``attention.*``): the tiny model of
 ``hybrid_models.build(family)`` (fixed seed), prompt ``hybrid_models.ids()``, policy ``fp``, saved
 after the prefill (``hybrid_models.prefilled``). Loaded here, each must decode exactly as a cache
-prefilled by today's code, and its layers' states must equal that cache's, tensor for tensor.
+prefilled by today's code, and its layers' states must equal that cache's, tensor for tensor (to
+float rounding: the thread count of the process that wrote them may differ).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_models import build, decode, prefilled, same
+from hybrid_models import build, decode, prefilled
 from tiercache import CacheError, TieredCache
 from tiercache.cache.state_layer import StateLayer
 
@@ -33,9 +34,13 @@ def test_a_file_saved_by_the_flat_format_loads_and_decodes_the_same(family):
         if isinstance(new, StateLayer):
             a, b = old.side.state_tensors(), new.side.state_tensors()
             assert a.keys() == b.keys() and a
-            assert all(torch.equal(a[k], b[k]) for k in a)
+            # the files were written by another process: its thread count may round the prefill's sums
+            # differently, so the states agree to float rounding, not bit for bit
+            assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5) for k in a)
             assert old.has_previous_state() and old.state.conv_kernel_size == new.state.conv_kernel_size
-    assert same(decode(m, loaded, nxt), decode(m, fresh, nxt))
+    a, b = decode(m, loaded, nxt), decode(m, fresh, nxt)
+    assert len(a) == len(b) and all(torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(a, b))
+    assert [x.argmax(-1).tolist() for x in a] == [y.argmax(-1).tolist() for y in b]
 
 
 def test_the_flat_format_is_upgraded_and_a_wrong_state_count_is_refused():
