@@ -116,22 +116,3 @@ def test_the_per_layer_searches_point_to_tune():
     assert done.returncode == 2 and "tiercache tune" in done.stderr
 
 
-def test_joint_search_scores_the_first_token_or_every_digit(tmp_path):
-    """--retrieval-tokens first scores only the key's first token: the same text objective, another
-    retrieval perplexity at the base (no picks asked)."""
-    import re
-
-    path = os.pathsep.join(p for p in (str(BENCH.parent), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
-    base = {}
-    for mode in ("digits", "first"):
-        run = subprocess.run([sys.executable, str(BENCH / "bench_real.py"), "--model", "tiny", "--threads", "1",
-                              "--upgrade-search", "--objective", "joint", "--upgrade", "0", "--prompt", "256",
-                              "--tokens", "16", "--texts-per-kind", "1", "--contexts", "400", "--depths", "0.5",
-                              "--retrieval-tokens", mode, "--config-out", f"{mode}.yaml", "--out", mode],
-                             capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-        assert run.returncode == 0, run.stderr[-3000:]
-        line = next(x for x in run.stdout.splitlines() if x.startswith("base "))
-        base[mode] = [float(v) for v in re.findall(r"ppl ([0-9.]+)", line)]  # text, retrieval
-    assert "the first token of each key" in run.stdout
-    assert base["first"][0] == base["digits"][0] and base["first"][1] != base["digits"][1]

@@ -32,9 +32,9 @@ class Recorder:
             self.storages.setdefault(layer_idx, set()).add(keys.untyped_storage().data_ptr())
             return keys, values
 
-        def run_rows(model, rows):
+        def run_rows(model, rows, workspace=None):
             before = self.updates
-            out = real_rows(model, rows)
+            out = real_rows(model, rows, workspace)
             self.forwards.append((sum(len(r.ids) for r in rows), self.updates - before))
             return out
 
