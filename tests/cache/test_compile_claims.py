@@ -19,6 +19,7 @@ from tiercache.cache.compat import cache_arg
 from tiercache.cache.compileable import CompileableCache
 from tiercache.models.load import load_model
 from tiercache.models.tiny import eval_ids
+from tests.compile_counting import Counting
 
 STATIC = {"name": "static", "storage": "static", "max_length": 64}
 CLAIMS = [
@@ -31,18 +32,6 @@ NO_CLAIM = [
     pytest.param({"name": "full"}, id="full"),
     pytest.param({**STATIC, "overrides": [{"layers": [1], "quantize": {"bits": 4}}]}, id="one-layer-int4"),
 ]
-
-
-class Counting:
-    def __init__(self):
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs, **kwargs):
-        self.graphs += 1
-        return gm.forward
-
-    def __deepcopy__(self, memo):  # transformers deep-copies the compile config: count here
-        return self
 
 
 @pytest.mark.slow

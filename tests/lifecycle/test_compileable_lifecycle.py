@@ -24,6 +24,7 @@ from tiercache.layers.static import StaticLayer
 from tiercache.models.load import load_model
 from tiercache.models.tiny import eval_ids
 from tiercache.quantize.static_layer import StaticQuantized
+from tests.compile_counting import Counting
 
 INT4 = {"bits": 4, "group_size": 16, "residual_length": 32}
 POLICIES = {
@@ -156,20 +157,6 @@ def test_retier_refuses_a_policy_a_compileable_cache_cannot_hold(policy, why):
     _assert_same_kind(cache, "fp")
     for layer, (k, v) in zip(cache.layers, before):
         assert torch.equal(layer.kv()[0], k) and torch.equal(layer.kv()[1], v)
-
-
-class Counting:
-    """A ``torch.compile`` backend that counts its graphs (shared with the deep copy transformers makes)."""
-
-    def __init__(self):
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs, **kwargs):
-        self.graphs += 1
-        return gm.forward
-
-    def __deepcopy__(self, memo):
-        return self
 
 
 @pytest.mark.slow

@@ -23,26 +23,13 @@ from tiercache.cache.compileable import CompileableCache
 from tiercache.models.load import load_model
 from tiercache.models.tiny import eval_ids
 from tiercache.quantize.static_layer import StaticQuantized
+from tests.compile_counting import Counting
 
 QUANT = [
     pytest.param({"bits": 4, "group_size": 32, "residual_length": 64}, id="int4"),
     pytest.param({"bits": 2, "group_size": 16, "residual_length": 32, "key_axis": "token", "key_gain": 1.2,
                   "value_bits": 4}, id="int2-keys-per-token-gain"),
 ]
-
-
-class Counting:
-    """A ``torch.compile`` backend that counts the graphs it is given and runs them as captured."""
-
-    def __init__(self):
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs, **kwargs):
-        self.graphs += 1
-        return gm.forward
-
-    def __deepcopy__(self, memo):  # transformers deep-copies the compile config: count here, not on a copy
-        return self
 
 
 def compiled_generate(model, ids, cache, new: int, backend):
