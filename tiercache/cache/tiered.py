@@ -15,8 +15,8 @@ KV-sharing placeholder, stores K/V or keeps a conv / recurrent state (``StateLay
 ``tiercache.cache.state_layer``) is one table made at construction (``tiercache.cache.layer_roles``).
 Returned K/V may be views of internal buffers, valid until the next call on the cache.
 
-Lifecycle (``tiercache.lifecycle``): ``fork()`` (= ``copy.deepcopy``), ``retier(policy)``, ``save`` /
-``load``, ``release_transients()`` (free the workspace and prefetch slots of a cache set aside);
+Lifecycle: ``fork()`` (= ``copy.deepcopy``) and ``retier(policy)`` (``tiercache.cache.fork`` /
+``retier``), ``save`` / ``load`` (``tiercache.lifecycle``), ``release_transients()`` (free the workspace and prefetch slots of a cache set aside);
 legacy tuples (``tiercache.cache.legacy``): ``from_legacy`` / ``to_legacy``; encoder-decoder models:
 ``for_encoder_decoder(policy, config)`` -> ``TieredEncoderDecoderCache`` (transformers'
 ``EncoderDecoderCache`` of two TieredCaches, the cross half per ``tiercache.planner.cross_attention``).
@@ -36,7 +36,6 @@ from tiercache.layers.base import KVLayer
 from tiercache.layers.validate import check_layer_index, check_room, check_update
 from tiercache.models.spec import ModelSpec, model_type_of, spec_of
 from tiercache.policy.schema import Policy, load_policy
-
 
 
 class TieredCache(Cache):
