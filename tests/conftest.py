@@ -1,5 +1,6 @@
 import os
 import sys
+import zlib
 
 import pytest
 import torch
@@ -8,6 +9,13 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/builders.py: model builde
 
 # one intra-op thread per worker when pytest-xdist runs two (the machine has two cores)
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Every test draws the same random numbers on every run and in any order or worker: the
+    global generator is seeded from the test's own id, so a tolerance met once is met in CI."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture
