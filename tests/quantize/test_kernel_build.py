@@ -93,6 +93,26 @@ def test_key_follows_the_torch_install_the_cpu_and_the_source(tmp_path, monkeypa
     assert kernel_build.key(dataclasses.replace(kernel, cflags=kernel.cflags[1:])) != base
 
 
+
+def test_the_kernel_source_is_the_shipped_cpp_file_and_keys_its_build(tmp_path, monkeypatch):
+    shipped = Path(packed_cpu.__file__).with_name(packed_cpu.SOURCE_FILE)
+    kernel = packed_cpu.kernel()
+    assert kernel.source == shipped.read_text(encoding="utf-8") and "torch::Tensor attend(" in kernel.source
+    edited = tmp_path / packed_cpu.SOURCE_FILE  # the same file, edited: read anew, a new build key
+    edited.write_text(kernel.source + "// edited\n", encoding="utf-8")
+    monkeypatch.setattr(packed_cpu, "resources", types.SimpleNamespace(files=lambda package: tmp_path))
+    assert packed_cpu.kernel().source.endswith("// edited\n")
+    assert kernel_build.key(packed_cpu.kernel()) != kernel_build.key(kernel)
+
+
+def test_wheels_and_sdists_carry_the_cpp_source():
+    tomllib = pytest.importorskip("tomllib")
+    import fnmatch
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["tiercache"]
+    sources = [p.relative_to(ROOT / "tiercache").as_posix() for p in (ROOT / "tiercache").rglob("*.cpp")]
+    assert sources and all(any(fnmatch.fnmatch(s, pat) for pat in patterns) for s in sources), (sources, patterns)
+
 def test_cpu_signature_is_the_first_processors_model_and_flags(tmp_path):
     def signature(text):
         path = tmp_path / f"cpuinfo{len(list(tmp_path.iterdir()))}"

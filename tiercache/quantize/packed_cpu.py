@@ -7,6 +7,7 @@
     value_mix(p, codes, scale, offset, codec, skip) -> [B, H, M, Dv]   ``p`` ``[B, H, M, N*G - skip]``
     available() -> bool                     the extension is built and loaded (once per process)
     kernel() -> kernel_build.Kernel         what ``tiercache build-kernels`` compiles
+    source() -> str                         its C++ text (``packed_cpu.cpp``, package data)
 
 Layouts: integer codes of 2, 4 or 8 bits (planar, ``blocks.pack``), with an offset; keys per
 channel (scale / offset ``[B, H, N, 1, D]``), values per token (``[B, H, N, G, n, 1]``), a
@@ -29,20 +30,28 @@ first use instead). ``TIERCACHE_PACKED_KERNEL=torch`` turns it off.
 from __future__ import annotations
 
 import os
+from importlib import resources
 
 import torch
 
 from tiercache.quantize import kernel_build
-from tiercache.quantize.packed_cpu_source import SOURCE
 
 NAME = "tiercache_packed_v10"
+SOURCE_FILE = "packed_cpu.cpp"
 
 _STATE: dict = {}
 
 
+def source() -> str:
+    """The extension's C++ text: ``packed_cpu.cpp``, shipped beside this module as package data (the
+    keys and values kernels and ``attend``, templated on the model's dtype)."""
+    return resources.files(__package__).joinpath(SOURCE_FILE).read_text(encoding="utf-8")
+
+
 def kernel() -> kernel_build.Kernel:
-    """The extension's source and flags (``kernel_build`` keys its build by them)."""
-    return kernel_build.Kernel(NAME, SOURCE, ("key_scores", "value_mix", "attend"),
+    """The extension's source and flags (``kernel_build`` keys its build by them: an edit of
+    ``packed_cpu.cpp`` is a new build)."""
+    return kernel_build.Kernel(NAME, source(), ("key_scores", "value_mix", "attend"),
                                cflags=("-O3", "-march=native", "-fopenmp", "-ffp-contract=off"), ldflags=("-fopenmp",))
 
 

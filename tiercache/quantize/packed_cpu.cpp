@@ -1,7 +1,4 @@
-"""The C++ source of ``packed_cpu``'s extension (its build key hashes this text): the keys and values
-kernels and ``attend``, a decode step's whole attention in one call, templated on the model's dtype."""
 
-SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -340,4 +337,3 @@ torch::Tensor value_mix(torch::Tensor codes, torch::Tensor scale, torch::Tensor 
   });
   return out.sum(2);
 }
-"""
