@@ -20,7 +20,7 @@ PACKAGE = ROOT / "tiercache"
 
 # packages that need torch alone (DESIGN: only cache/, the CLI, serve/, models/ and bench import transformers)
 TORCH_ONLY = ["tiercache.layers", "tiercache.quantize", "tiercache.offload", "tiercache.policy", "tiercache.planner",
-              "tiercache.lifecycle"]
+              "tiercache.lifecycle", "tiercache.simdevice"]
 HEAVY = ("transformers", "fastapi", "uvicorn", "redis", "prometheus_client")
 
 
@@ -139,6 +139,15 @@ def test_no_import_circles_between_packages():
              if any(package_of(m) in c and package_of(t) in c and package_of(m) != package_of(t) for c in found)]
     assert found == [], ("package import circles (move the shared piece to the lower package): "
                          + "; ".join(" <-> ".join(c) for c in found) + "\n" + "\n".join(edges))
+
+
+def test_only_the_deprecated_aliases_import_the_simulated_device():
+    """Offload and the rest reach the device through ``tiercache.runtime`` alone; the simulated device is the tests'."""
+    aliases = {"tiercache.offload.simdevice", "tiercache.offload.simmemory"}
+    bad = sorted(m for m, ts in graph().items() if not m.startswith("tiercache.simdevice") and m not in aliases
+                 and any(t == "tiercache.simdevice" or t.startswith("tiercache.simdevice.") for t in ts))
+    assert bad == [], f"these modules import the simulated device (use the runtime seam, tiercache.runtime): {bad}"
+    assert all(any(t.startswith("tiercache.simdevice.") for t in graph()[a]) for a in aliases)
 
 
 def test_the_package_never_imports_research_tooling():

@@ -22,7 +22,7 @@ all say "cpu"). ``canonical_device(device)`` is the one form a device is stored 
 ``dst.copy_(src, non_blocking=True)`` inside ``use(stream)`` (or on the compute stream).
 
 Two implementations: ``CudaRuntime`` (here; the torch.cuda objects themselves) and the
-simulated device (``tiercache.offload.simdevice``), deterministic, for the CPU tests: there
+simulated device (``tiercache.simdevice``), deterministic, for the CPU tests: there
 a copy lands only when its stream is advanced past it, so every ordering call is exercised.
 """
 

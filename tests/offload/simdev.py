@@ -1,4 +1,4 @@
-"""Fixtures and drivers for the simulated-device tests (``tiercache.offload.simdevice``).
+"""Fixtures and drivers for the simulated-device tests (``tiercache.simdevice``).
 
 ``sim`` / ``sim2``: one / two simulated devices for the test; a test fails if the simulator saw a
 hazard (a race a missing wait, ``record_stream`` or sync would be on CUDA). ``decode`` drives
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiercache.offload.simdevice import simulated
+from tiercache.simdevice import simulated
 
 
 def _fixture(devices: int):

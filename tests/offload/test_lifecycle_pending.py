@@ -1,5 +1,5 @@
 """Lifecycle operations on layers with deferred work pending: the CUDA path, run on the simulated
-device (``tiercache.offload.simdevice``), where a staged copy lands only when its stream is
+device (``tiercache.simdevice``), where a staged copy lands only when its stream is
 advanced past it and its destination holds poison until then.
 
 - ``Offload``: a write-back is staged (a pinned copy on the side stream + an event) and joins the

@@ -1,4 +1,4 @@
-"""The simulated device (``tiercache.offload.simdevice``) and offload's CUDA path on it.
+"""The simulated device (``tiercache.simdevice``) and offload's CUDA path on it.
 
 First the simulator itself: a side-stream copy lands only when its stream is advanced, its
 destination is poison until then, freed device memory is poisoned and reused, a missing
@@ -19,7 +19,7 @@ from tiercache.models.spec import ModelSpec
 from tiercache.policy.schema import OffloadPolicy
 from tiercache.offload.mirror import row_stride, steady_capacity
 from tiercache.offload.processor import Prefetcher, offloaded
-from tiercache.offload.simdevice import simulated
+from tiercache.simdevice import simulated
 from tests.offload import test_offload as plain
 from tests.offload.simdev import sim, sim2  # noqa: F401 (fixtures)
 

@@ -60,7 +60,7 @@ synchronous, after the mirror is acquired. A write-back that failed refuses ever
 
 Streams, events, pinned memory and device memory come from the device runtime
 (``tiercache.runtime``): CUDA, or the simulated device the CPU tests run this same
-code on (``tiercache.offload.simdevice``).
+code on (``tiercache.simdevice``).
 """
 
 from __future__ import annotations
