@@ -140,6 +140,18 @@ def test_batch_operations_transformers_keeps_for_dynamic_caches(name):
     assert ours.get_seq_length() == 4 and ours.self_attention_cache.batch_size == 4
 
 
+def test_batch_operations_refuse_halves_neither_tiered_nor_dynamic():
+    from transformers import StaticCache
+
+    from tiercache import TieredEncoderDecoderCache
+
+    model = build_seq2seq("bart")
+    ours = TieredCache.for_encoder_decoder({}, model.config)
+    static = StaticCache(config=model.config, max_cache_len=8)
+    with pytest.raises(CacheError, match="crop: needs TieredCache or DynamicCache halves, got StaticCache"):
+        TieredEncoderDecoderCache(ours.self_attention_cache, static).crop(-1)
+    TieredEncoderDecoderCache(ours.self_attention_cache, DynamicCache()).crop(0)  # a DynamicCache half is fine
+
 def test_assisted_generation_matches():
     model, assistant = build_seq2seq("bart"), build_seq2seq("bart", seed=3)
     inputs = seq2seq_inputs("bart", batch=1)

@@ -1,6 +1,7 @@
 """The cache transformers talks to: ``TieredCache`` and how it is built.
 
-Modules: ``tiered`` (``TieredCache``, the ``transformers.Cache`` subclass), ``chain`` (the chain
+Modules: ``tiered`` (``TieredCache``, the ``transformers.Cache`` subclass), ``encoder_decoder`` (the pair
+of an encoder-decoder model: both halves' lifecycle and bytes), ``chain`` (the chain
 builder, the only constructor of a layer's processors, from the planner's ``ChainSpec``),
 ``fork`` / ``retier`` (a copy; a live cache moved to another policy), ``legacy`` (tuple caches in
 and out), ``inputs`` (a policy for a model, ``auto`` planned), ``layer_roles`` (which layer is a

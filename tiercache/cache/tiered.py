@@ -19,16 +19,18 @@ Lifecycle: ``fork()`` (= ``copy.deepcopy``) and ``retier(policy)`` (``tiercache.
 ``retier``), ``save`` / ``load`` (``tiercache.lifecycle``), ``release_transients()`` (free the workspace and prefetch slots of a cache set aside);
 legacy tuples (``tiercache.cache.legacy``): ``from_legacy`` / ``to_legacy``; encoder-decoder models:
 ``for_encoder_decoder(policy, config)`` -> ``TieredEncoderDecoderCache`` (transformers'
-``EncoderDecoderCache`` of two TieredCaches, the cross half per ``tiercache.planner.cross_attention``).
+``EncoderDecoderCache`` of two TieredCaches, the cross half per ``tiercache.planner.cross_attention``;
+what the pair does: ``tiercache.cache.encoder_decoder``).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache
 
 from tiercache.cache import accounting, inputs
 from tiercache.cache.chain import Shared, build_layers
+from tiercache.cache.encoder_decoder import EncoderDecoderPair
 from tiercache.planner.cross_attention import check_supported, cross_layer_policies
 from tiercache.cache.layer_roles import LayerRoles
 from tiercache.errors import CacheError
@@ -339,63 +341,8 @@ class CrossAttentionCache(TieredCache):
         raise CacheError("save: a cross-attention half is saved with its pair: save the TieredEncoderDecoderCache")
 
 
-class TieredEncoderDecoderCache(EncoderDecoderCache):
-    """transformers' ``EncoderDecoderCache`` over two TieredCaches (``TieredCache.for_encoder_decoder``).
+class TieredEncoderDecoderCache(EncoderDecoderPair):
+    """transformers' ``EncoderDecoderCache`` over two TieredCaches (``TieredCache.for_encoder_decoder``):
+    what it does is ``tiercache.cache.encoder_decoder``'s; here, the classes of its halves."""
 
-    transformers keeps ``crop`` / ``batch_select_indices`` / ``batch_repeat_interleave`` for two
-    DynamicCaches; TieredCaches support them too (assisted decoding crops the self-attention half).
-    ``nbytes()`` and ``close()`` cover both halves; ``cross_nbytes()`` is the cross-attention part.
-    ``retier`` / ``save`` / ``load`` cover both halves too (``tiercache.lifecycle``).
-    """
-
-    def retier(self, policy) -> None:
-        """Self-attention per ``policy``, cross-attention per its ``cross_attention`` section, all or nothing."""
-        from tiercache.cache.retier import retier_all
-
-        retier_all([self.self_attention_cache, self.cross_attention_cache], policy)
-
-    def save(self, path, token_ids=None) -> None:
-        from tiercache.lifecycle.persist import save
-
-        save(self.self_attention_cache, path, token_ids, self.cross_attention_cache, self.is_updated)
-
-    @classmethod
-    def load(cls, path, model_config, *, policy=None, device=None, offload_path=None, max_bytes=None):
-        """An encoder-decoder save, for this model; the keywords as ``TieredCache.load``."""
-        from tiercache.cache import retier
-        from tiercache.lifecycle import persist
-
-        check_supported(model_config)
-        this, cross, flags = persist.load(TieredCache, path, spec_of(model_config), model_type_of(model_config),
-                                          device, CrossAttentionCache, offload_path, max_bytes)
-        cache = cls(this, cross)
-        cache.is_updated = flags
-        return retier.retiered(cache, policy)
-
-    @property
-    def token_ids(self) -> list | None:
-        return self.self_attention_cache.token_ids  # as TieredCache.token_ids: given to save, set by load
-
-    def check_dynamic_cache(self, method: str) -> None:
-        for half in (self.self_attention_cache, self.cross_attention_cache):
-            if not isinstance(half, (TieredCache, DynamicCache)):
-                raise CacheError(f"{method}: needs TieredCache or DynamicCache halves, got {type(half).__name__}")
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held now by both halves, per place (``cpu``, ``cuda:0``, ``disk`` ...)."""
-        return accounting.summed([self.self_attention_cache.nbytes(), self.cross_nbytes()])
-
-    def cross_nbytes(self) -> dict[str, int]:
-        return self.cross_attention_cache.nbytes()
-
-    def to_legacy(self) -> tuple:
-        """Per layer ``(self key, self value, cross key, cross value)`` at full precision, fresh
-        tensors (``()`` when empty); ``TieredCache.from_legacy`` takes it back."""
-        from tiercache.cache import legacy
-
-        return legacy.join(self.self_attention_cache.to_legacy(), self.cross_attention_cache.to_legacy(),
-                           len(self.self_attention_cache.layers))
-
-    def close(self) -> None:
-        self.self_attention_cache.close()
-        self.cross_attention_cache.close()
+    halves = (TieredCache, CrossAttentionCache)
