@@ -65,6 +65,8 @@ bytes (every tier, reservations not counted) are over it, its least-recently-use
 reservation will take is evicted, never another tenant's (``tenant_evictions``, also counted in
 ``evictions``).
 
+The reservations and the per-tier totals they enter are ``tiercache.serve.reservations``.
+
 All methods hold one lock; in the server, the store's own thread calls them
 (``tiercache.serve.keeper``), never the step. ``stats()`` takes no lock: the HTTP side reads a
 snapshot that every change publishes (a scrape never waits for a retier).
@@ -82,6 +84,7 @@ from dataclasses import dataclass, field
 
 from tiercache.planner.footprint import TIERS
 from tiercache.serve.radix import BlockTrie
+from tiercache.serve.reservations import Ledger, Reservation
 from tiercache.serve.tenants import SHARED, Scope
 
 log = logging.getLogger("tiercache.serve")
@@ -102,15 +105,6 @@ class Entry:
         return max(TIERS, key=lambda t: (self.bytes.get(t, 0), -TIERS.index(t)))
 
 
-@dataclass(eq=False)
-class Reservation:
-    """Bytes per tier an active request may grow to; ``entry``: the stored entry it will take out."""
-
-    need: dict
-    entry: Entry | None = None
-    released: bool = False
-
-
 class PrefixStore:
     def __init__(self, ladder, budget: dict, tier_bytes, block_size: int = 16, min_match: int = 16,
                  tenant_budgets: dict | None = None):
@@ -124,7 +118,7 @@ class PrefixStore:
         self._block = block_size
         self._tries: dict[Scope, BlockTrie] = {}  # one per scope holding entries
         self._lru: OrderedDict[Entry, None] = OrderedDict()  # oldest first
-        self._reservations: list[Reservation] = []  # live ones
+        self._ledger = Ledger()  # the live reservations
         self._lock = threading.RLock()
         self._clock = itertools.count(1)
         self.on_evict = None  # fn(ids, cache, scope): an entry evicted past the last rung (remote/store.py)
@@ -242,11 +236,11 @@ class PrefixStore:
                 entry, use = self._best(ids, scope)
                 if entry is not None:
                     self._touch(entry)  # the entry it will use goes last in the LRU line
-                    if use == len(entry.ids) and entry not in self._pinned():
+                    if use == len(entry.ids) and entry not in self._ledger.pinned(self._lru):
                         r.entry = entry  # it will be taken: counted with the need, never demoted meanwhile
-            self._reservations.append(r)
+            self._ledger.add(r)
             if not self._floor_fits() or not self._enforce():
-                self._reservations.remove(r)  # reservations alone do not fit: nothing is touched
+                self._ledger.drop(r)  # reservations alone do not fit: nothing is touched
                 return None
             return r
 
@@ -255,8 +249,7 @@ class PrefixStore:
             if not isinstance(reservation, Reservation):
                 raise TypeError(f"release() takes the Reservation that reserve() returned, got {reservation!r}")
             if not reservation.released:
-                reservation.released = True
-                self._reservations.remove(reservation)
+                self._ledger.drop(reservation)
 
     def split(self, reservation: Reservation, n: int) -> list[Reservation]:
         """``reservation`` ends and ``n`` take its place, their needs adding up to its need exactly.
@@ -268,47 +261,23 @@ class PrefixStore:
                 raise ValueError("split() of a reservation already released")
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"split() into {n!r} parts; a positive int is allowed")
-            need = reservation.need
-            parts = [Reservation({t: v // n + (i < v % n) for t, v in need.items()}) for i in range(n)]
-            at = self._reservations.index(reservation)
-            self._reservations[at:at + 1] = parts
-            reservation.released = True
+            parts = self._ledger.split(reservation, n)
             self._enforce()  # an entry it stood for, if still stored, now counts on its own
             return parts
 
     def _floor_fits(self) -> bool:
         """Whether the reservations alone fit every tier (what no demotion or eviction can lower)."""
-        floor = self._held()
+        floor = self._ledger.held(self._lru)
         return all(self.budget[t] is None or floor[t] <= self.budget[t] for t in TIERS)
-
-    def _pinned(self) -> set:
-        return {r.entry for r in self._reservations if r.entry is not None and r.entry in self._lru}
-
-    def _held(self) -> dict:
-        """What live reservations stand for, per tier (with the entries they will take)."""
-        totals = dict.fromkeys(TIERS, 0)
-        for r in self._reservations:
-            e = r.entry.bytes if r.entry is not None and r.entry in self._lru else {}
-            for t in TIERS:
-                totals[t] += max(r.need.get(t, 0), e.get(t, 0))
-        return totals
-
-    def _totals(self) -> dict:
-        totals, pinned = self._held(), self._pinned()
-        for e in self._lru:
-            if e not in pinned:
-                for t in TIERS:
-                    totals[t] += e.bytes.get(t, 0)
-        return totals
 
     def _enforce(self) -> bool:
         """Demote / evict LRU entries until every tier fits; False if what is left cannot be moved."""
         while True:
-            totals = self._totals()
+            totals = self._ledger.totals(self._lru)
             over = [t for t in TIERS if self.budget[t] is not None and totals[t] > self.budget[t]]
             if not over:
                 return True
-            pinned = self._pinned()
+            pinned = self._ledger.pinned(self._lru)
             victim = next((e for e in self._lru if e not in pinned and any(e.bytes.get(t, 0) > 0 for t in over)), None)
             if victim is None:
                 return False
@@ -319,7 +288,7 @@ class PrefixStore:
         budget = self.tenant_budgets.get(tenant)
         if budget is None:
             return
-        pinned = self._pinned()
+        pinned = self._ledger.pinned(self._lru)
         mine = [e for e in self._lru if e.scope.tenant == tenant]  # oldest first
         held = sum(sum(e.bytes.values()) for e in mine)
         for victim in mine:
@@ -368,7 +337,6 @@ class PrefixStore:
     def _publish(self) -> None:
         entries = dict.fromkeys(TIERS, 0)
         stored = dict.fromkeys(TIERS, 0)
-        reserved = dict.fromkeys(TIERS, 0)
         tenants = dict.fromkeys(self.tenant_budgets, 0)
         for e in self._lru:
             entries[e.tier] += 1
@@ -376,10 +344,7 @@ class PrefixStore:
                 stored[t] += e.bytes.get(t, 0)
             if e.scope.tenant:
                 tenants[e.scope.tenant] = tenants.get(e.scope.tenant, 0) + sum(e.bytes.values())
-        for r in self._reservations:
-            for t in TIERS:
-                reserved[t] += r.need.get(t, 0)
-        self._snapshot = {"entries": entries, "bytes": stored, "reserved": reserved, "budget": dict(self.budget),
+        self._snapshot = {"entries": entries, "bytes": stored, "reserved": self._ledger.needs(), "budget": dict(self.budget),
                           "tenant_bytes": tenants, **self.counters}  # one assignment: readers see all or none
 
     def stats(self) -> dict:
