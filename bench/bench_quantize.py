@@ -54,7 +54,7 @@ def cache_bytes(cache) -> tuple[int, int]:
     """(state bytes, workspace bytes) held by a cache now."""
     if isinstance(cache, TieredCache):
         state = sum(sum(layer.nbytes().values()) for layer in cache.layers)
-        return state, sum(cache._shared.workspace_nbytes().values()) if cache._shared is not None else 0
+        return state, sum(cache.workspace_nbytes().values())
     total = 0
     for layer in cache.layers:
         for name in ("keys", "values", "_quantized_keys", "_quantized_values"):

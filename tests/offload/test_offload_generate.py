@@ -83,7 +83,7 @@ def test_disk_policy_same_tokens(tmp_path):
 def test_cache_nbytes_counts_mirrors_once():
     _, cache = generate("llama", POLICIES["cpu"], "greedy")
     layers = sum(sum(layer.nbytes().values()) for layer in cache.layers)
-    mirrors = sum(cache._shared.nbytes().values())
+    mirrors = sum(cache.shared_nbytes().values())
     assert mirrors > 0 and sum(cache.nbytes().values()) == layers + mirrors
     cache.close()
 

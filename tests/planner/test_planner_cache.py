@@ -113,7 +113,7 @@ def _check(policy, config, monkeypatch, dtype=torch.float32, cache=None, exact_m
     cache = _filled(policy, config, dtype) if cache is None else cache
     p = plan(cache.policy if policy.auto else policy, config, BATCH, PREFILL + STEPS)
     real = {tier: cache.tier_nbytes().get(tier, 0) for tier in p.bytes}
-    work = cache._shared.workspace_nbytes().get("cpu", 0)  # the quantized layers' dequantization workspace
+    work = cache.workspace_nbytes().get("cpu", 0)  # the quantized layers' dequantization workspace
     slots = cache.shared_nbytes().get("cpu", 0) - work  # the prefetcher's device mirrors
     assert real.keys() == p.bytes.keys()
     for tier in real:

@@ -33,7 +33,7 @@ def shared_parts(cache) -> tuple[int, int]:
     """(device mirror slots, workspace) of both halves, in bytes."""
     slots = work = 0
     for half in (cache.self_attention_cache, cache.cross_attention_cache):
-        w = half._shared.workspace_nbytes().get("cpu", 0)
+        w = half.workspace_nbytes().get("cpu", 0)
         slots += half.shared_nbytes().get("cpu", 0) - w
         work += w
     return slots, work

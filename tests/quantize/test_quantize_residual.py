@@ -149,9 +149,9 @@ def test_cache_returns_workspace_views_and_reports_them_once():
     for i in range(3):
         cache.update(*kv(30, i), i)
     total = cache.nbytes()["cpu"]
-    assert total == sum(sum(layer.nbytes().values()) for layer in cache.layers) + cache._shared.workspace_nbytes()["cpu"]
+    assert total == sum(sum(layer.nbytes().values()) for layer in cache.layers) + cache.workspace_nbytes()["cpu"]
     cache.close()
-    assert cache._shared.workspace_nbytes() == {}
+    assert cache.workspace_nbytes() == {}
 
 
 # -- non-finite keys / values ----------------------------------------------------------------------
@@ -256,5 +256,5 @@ def test_cache_bytes_of_a_packed_int4_cache_are_the_packed_rows_and_the_residual
         for i in range(2):
             cache.update(*kv(t, i), i)
     assert cache.nbytes()["cpu"] == sum(sum(layer.nbytes().values()) for layer in cache.layers)
-    assert cache._shared.workspace_nbytes() == {}
+    assert cache.workspace_nbytes() == {}
     cache.close()

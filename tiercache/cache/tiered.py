@@ -245,6 +245,10 @@ class TieredCache(Cache):
         layers). They do not grow with the number of layers; the rest is the per-layer state."""
         return self._shared.nbytes()
 
+    def workspace_nbytes(self) -> dict[str, int]:
+        """The dequantization workspace's part of ``shared_nbytes()``, per place (the rest: prefetch slots)."""
+        return self._shared.workspace_nbytes()
+
     def offload_stats(self) -> dict[str, int]:
         """The offload counters so far (``tiercache.offload.prefetch``); zeros without offload."""
         return self._shared.prefetcher.stats()
