@@ -75,11 +75,6 @@ class _Space:
         return (spec.batch, spec.heads, spec.key_dim, spec.value_dim, spec.dtype, spec.device) == \
             (1, k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
 
-    def holds(self, s: int, buf) -> bool:
-        """Slot ``s`` is lent to ``buf`` and ``buf`` still reads it."""
-        lent = self.lent.get(s)
-        return lent is not None and lent[0] is buf and buf.keys is lent[1] and buf.values is lent[2] and buf.start == 0
-
     def grow(self, slots: int, tokens: int) -> None:
         """Room for ``slots`` slots of ``tokens`` tokens; the lent buffers follow their slots."""
         s, _, c, _ = self.keys.shape
@@ -280,7 +275,8 @@ class StepWorkspace:
         for j, buf in fresh:
             space.give_back(slots[j])  # whatever the slot was lent before (a layer that moved off it)
             space.lend(slots[j], buf)
-        joined.sort(key=lambda jb: jb[0])
+        if fresh:
+            joined.sort(key=lambda jb: jb[0])  # back in plan order
         return joined
 
     @staticmethod
@@ -317,7 +313,7 @@ class StepWorkspace:
         g, space = step.groups[layer], self._spaces[layer]
         q = query[0] if g.at is None else query[0].index_select(1, _on(g, "at", query.device))  # [H, R, D]
         q = q.transpose(0, 1)  # [R, H, D]
-        rows, heads, dim = q.shape
+        _, heads, dim = q.shape
         kv_heads = space.keys.shape[1]
         if not g.dense:  # slots with no row this step: a stand-in query over one token, its output unused
             full = q.new_zeros(g.n, heads, dim)
