@@ -13,7 +13,8 @@ measured three ways:
 1. **Breakdown** (exclusive wall time per part, ms per step; timers wrapped around the parts for
    that pass only): matmuls (every ``nn.Linear``: q/k/v/o, MLP, LM head), the attention kernel
    (``scaled_dot_product_attention``), the attention glue (the rest of the attention modules:
-   RoPE, the per-row split, masks, copies), cache updates (``TieredCache.update``), the rest of
+   RoPE, the per-row split, masks, copies), cache updates (``TieredCache.update`` of the rows on
+   their own, ``StepWorkspace.write`` of the joined decoding rows), the rest of
    the model (embedding, norms, activations, residuals, module calls), packing the rows
    (``run_rows`` outside the model), sampling (``Sampler.pick`` / ``take``), per-sequence Python
    (``Sequence.row`` / ``advance`` outside sampling and events: detokenizing, stop checks), events
@@ -52,7 +53,7 @@ import torch
 from serve_load import stream, text_of  # a sibling module: bench/ is on the path of a script run from it
 
 PARTS = ("matmuls (nn.Linear)", "attention kernel (SDPA)", "attention glue (RoPE, per-row split, masks)",
-         "cache updates (TieredCache.update)", "rest of the model (embedding, norms, MLP act., residuals)",
+         "cache updates (TieredCache.update, StepWorkspace.write)", "rest of the model (embedding, norms, MLP act., residuals)",
          "packing rows (run_rows outside the model)", "sampling (Sampler)", "per-sequence Python (row/advance)",
          "events (emit to the event loop)", "step bookkeeping (rest of _step)")
 
@@ -109,6 +110,7 @@ def timed_parts(worker, timers: Timers):
 
     from tiercache.cache.tiered import TieredCache
     from tiercache.serve import sampling, sequence
+    from tiercache.serve.workspace import StepWorkspace
     from tiercache.serve import worker as worker_mod
 
     model, hooks = worker.model, []
@@ -129,6 +131,7 @@ def timed_parts(worker, timers: Timers):
 
         wrap(F, "scaled_dot_product_attention", PARTS[1])
         wrap(TieredCache, "update", PARTS[3])
+        wrap(StepWorkspace, "write", PARTS[3])
         wrap(worker_mod, "run_rows", PARTS[5])
         for name in ("pick", "take"):
             wrap(sampling.Sampler, name, PARTS[6])

@@ -292,25 +292,23 @@ def test_a_failed_fork_or_choice_fails_the_request_and_returns_every_reservation
         wait_idle(w)
         assert not any(store.stats()["reserved"].values())
         monkeypatch.setattr(TieredCache, "fork", real_fork)
+        from tiercache.serve.sequence import Sequence
 
-        def failing_update(*args, **kwargs):
-            raise RuntimeError("injected step fault")
+        real_advance, faults = Sequence.advance, []
 
-        def fork_and_mark(cache):
-            copy = real_fork(cache)
-            if len(forks) == 1:  # the second fork: choice 2, whose part of its first decode step fails
-                copy.update = failing_update
-            forks.append(copy)
-            return copy
+        def advance(seq, row, logits, token=None):  # choice 2's part of its first decode step fails
+            if seq.choice == 2 and not faults:
+                faults.append(seq)
+                raise RuntimeError("injected step fault")
+            return real_advance(seq, row, logits, token)
 
-        monkeypatch.setattr(TieredCache, "fork", fork_and_mark)
-        forks.clear()
+        monkeypatch.setattr(Sequence, "advance", advance)
         events, job = events_of(w, req)
         assert events[-1][0] == "error" and events[-1][1].get("index") == 2
         job.cancel()
         wait_idle(w)
         assert not any(store.stats()["reserved"].values())
-        monkeypatch.setattr(TieredCache, "fork", real_fork)
+        monkeypatch.setattr(Sequence, "advance", real_advance)
         texts, _ = run(w, req, ids)  # the server goes on
         assert texts[0] == texts[1] == texts[2] != ""  # greedy: the same answer three times
     finally:

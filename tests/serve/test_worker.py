@@ -132,6 +132,49 @@ def test_concurrent_requests_each_get_what_they_get_alone(tiny):
         w.stop()
 
 
+def test_a_cache_leaves_the_step_workspace_before_the_store_gets_it(tiny, monkeypatch):
+    """Requests ending at different steps while others decode on: a finishing request's cache,
+    lent slots of the worker's step workspace while it decoded, holds memory of its own when it is
+    handed to the store's thread, and its entry keeps its tokens' K/V while newcomers take the
+    freed slots."""
+    from tiercache.serve.sequence import Sequence
+
+    model, codec = tiny
+    w = make_worker(tiny, max_active=3)
+    real, seen = Sequence.hand_back, []
+
+    def storages(cache):
+        return {t.untyped_storage().data_ptr() for layer in cache.layers if layer.kv() is not None
+                for t in layer.kv()}
+
+    def hand_back(self):  # on the worker thread: before the next step can touch the workspace
+        cache = self.cache
+        slots = {t.untyped_storage().data_ptr() for s in list(w.workspace._spaces.values()) for t in (s.keys, s.values)}
+        before = cache is not None and bool(storages(cache) & slots)
+        real(self)
+        seen.append((before, cache is not None and bool(storages(cache) & slots)))
+
+    monkeypatch.setattr(Sequence, "hand_back", hand_back)
+    w.start()
+    try:
+        prompts = [ids_of(30 + i, 12 + 5 * i) for i in range(5)]
+        lengths = [4, 14, 8, 11, 6]
+        calls = [Call(w, p, n, logit_bias={"257": -100}) for p, n in zip(prompts, lengths)]
+        answers = [call.result()[0] for call in calls]
+    finally:
+        w.stop()
+    assert any(before for before, _ in seen)  # some caches were lent when their request ended
+    assert not any(after for _, after in seen)
+    entries = stored(w)
+    assert len(entries) == 5
+    for ids, cache in entries.items():
+        assert_kv_matches(model, ids, cache)
+    for p, n, text in zip(prompts, lengths, answers):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, **cache_arg(DynamicCache()),
+                             pad_token_id=258, sequence_bias={(257,): -100.0})[0, len(p):].tolist()
+        assert text == codec.decode(ref)
+
+
 def test_cancel_keeps_a_consistent_entry(tiny):
     model, _ = tiny
     w = make_worker(tiny)

@@ -1,9 +1,11 @@
-"""The step workspace: the decoding rows of a step attend in one call per full-precision layer.
+"""The step workspace: the decoding rows of a step take one cache write and one attention call per
+full-precision layer, their layers lent slots of it.
 
 Reference: each sequence run alone, batch 1, with transformers' own ``DynamicCache`` (plain full
 precision) or a cache of its own policy. The batched runs keep one ``StepWorkspace`` across steps,
 as the worker does, while sequences start (prefill chunks), decode, end and are replaced (a freed
-slot taken by another sequence)."""
+slot taken by another sequence). Besides the answers, what each cache holds is checked: while lent,
+once given back, forked, and after other sequences took its slot."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from tests.builders import build
+from tiercache.cache.compat import cache_arg
 from tiercache.cache.tiered import TieredCache
+from tiercache.layers.full import FullLayer
 from tiercache.serve.batch import Row, run_rows
 from tiercache.serve.workspace import StepWorkspace
 
@@ -79,9 +83,9 @@ def calls(monkeypatch):
     seen = []
     real = StepWorkspace.attend
 
-    def spy(self, layer, slots, *args, **kwargs):
-        seen.append((layer, len(slots)))
-        return real(self, layer, slots, *args, **kwargs)
+    def spy(self, step, layer, *args, **kwargs):
+        seen.append((layer, len(step.rows(layer))))
+        return real(self, step, layer, *args, **kwargs)
 
     monkeypatch.setattr(StepWorkspace, "attend", spy)
     return seen
@@ -144,29 +148,123 @@ def test_a_fault_in_the_batched_call_fails_its_rows_and_the_others_go_on(monkeyp
     torch.testing.assert_close(out.logits[2], ref, atol=1e-4, rtol=0)
 
 
+class Held:
+    """A stand-in for a sequence's cache: ``layers``, a ``FullLayer`` per layer (what ``plan`` reads)."""
+
+    def __init__(self, keys, values):  # [1, Hkv, n, D] each
+        self.layers = [FullLayer()]
+        self.layers[0].append(keys, values)
+
+
 @pytest.mark.parametrize("window", [None, 4])
-def test_attend_is_plain_attention_over_each_rows_keys(window):
-    """Rows of different lengths (a sliding window too) against SDPA over each row's own keys, over
-    several steps: slots kept, one dropped and its slot given to a newcomer."""
+def test_write_and_attend_are_plain_attention_over_each_rows_own_keys(window):
+    """Rows of different lengths (a sliding window too) over several steps, slots kept, one dropped
+    and its slot given to a newcomer, one crossing the workspace's capacity: each step's write lands
+    in every row's own layer (its ``kv()`` is its history plus the new token), and the batched
+    attention equals SDPA over that row's own keys."""
     g = torch.Generator().manual_seed(0)
     kv_heads, heads, dim = 2, 6, 8
     ws = StepWorkspace()
-    held = {name: torch.randn(2, 1, kv_heads, n, dim, generator=g) for name, n in (("a", 3), ("b", 140), ("c", 9))}
-    for names in (["a", "b", "c"], ["a", "b", "c"], ["b", "a"], ["a", "d", "b"]):
-        held.setdefault("d", torch.randn(2, 1, kv_heads, 20, dim, generator=g))
-        new = torch.randn(2, len(names), kv_heads, dim, generator=g)  # [k/v, R, Hkv, D]
+    held = {name: torch.randn(2, 1, kv_heads, n, dim, generator=g) for name, n in (("a", 3), ("b", 126), ("c", 9))}
+    held["d"] = torch.randn(2, 1, kv_heads, 20, dim, generator=g)
+    seqs = {name: Held(t[0], t[1]) for name, t in held.items()}
+    for names in (["a", "b", "c"], ["a", "b", "c"], ["b", "a"], ["a", "d", "b"], ["a", "d", "b"]):
+        new = torch.randn(2, 1, kv_heads, len(names), dim, generator=g)  # [k/v, 1, Hkv, T, D] packed
+        query = torch.randn(1, heads, len(names), dim, generator=g)  # [1, H, T, D] packed
+        members = [(name, seqs[name], held[name].shape[3], r) for r, name in enumerate(names)]
+        step = ws.plan(members, len(names))
+        assert step.rows(0) == tuple(names)
+        ws.write(step, 0, new[0], new[1])
+        out = ws.attend(step, 0, query, scaling=0.3, window=window)
         for r, name in enumerate(names):
-            held[name] = torch.cat([held[name], new[:, r, None, :, None]], dim=3)
-        query = torch.randn(len(names), heads, dim, generator=g)
-        slots = ws.begin(names)  # any object names a sequence
-        lengths = [held[n].shape[3] for n in names]
-        out = ws.attend(0, slots, lengths, [(held[n][0], held[n][1]) for n in names], new[0], new[1], query,
-                        scaling=0.3, window=window)
-        for r, name in enumerate(names):
-            k, v = held[name][0], held[name][1]  # [1, Hkv, L, D]
+            held[name] = torch.cat([held[name], new[:, :, :, r:r + 1]], dim=3)
+            k, v = seqs[name].layers[0].kv()  # the row's own layer: what it was given, the new token last
+            torch.testing.assert_close(k, held[name][0], atol=0, rtol=0)
+            torch.testing.assert_close(v, held[name][1], atol=0, rtol=0)
             if window is not None:
                 k, v = k[:, :, -window:], v[:, :, -window:]
-            q = query[r].view(1, kv_heads, heads // kv_heads, dim)
+            q = query[0, :, r].view(1, kv_heads, heads // kv_heads, dim)
             want = F.scaled_dot_product_attention(q, k, v, scale=0.3).reshape(heads, dim)
             torch.testing.assert_close(out[r], want, atol=1e-5, rtol=0)
-    assert sorted(ws.begin(["a", "d", "b"])) == [0, 1, 2]
+    assert sorted(step.slots.values()) == [0, 1, 2]
+    assert held["b"].shape[3] > 128  # it crossed the first capacity: the lent layers followed the regrowth
+    lent = seqs["a"].layers[0].buffer.keys
+    ws.release(seqs["a"])
+    assert seqs["a"].layers[0].buffer.keys is not lent  # memory of its own again, the same tokens
+    torch.testing.assert_close(seqs["a"].layers[0].kv()[0], held["a"][0], atol=0, rtol=0)
+    assert seqs["c"].layers[0].buffer.keys.untyped_storage().data_ptr() != lent.untyped_storage().data_ptr()
+    ws.clear()
+    assert ws.nbytes()["workspace"] == 0
+    for name in "bd":
+        torch.testing.assert_close(seqs[name].layers[0].kv()[1], held[name][1], atol=0, rtol=0)
+
+
+def _storages(cache) -> set:
+    return {t.untyped_storage().data_ptr() for layer in cache.layers for t in layer.kv()}
+
+
+def test_lent_caches_hold_their_own_tokens_and_keep_them_after_leaving():
+    """Each cache, while lent and after it leaves the workspace, holds the K/V its run alone holds;
+    a fork of a lent cache is a copy of its own; a cache that has left keeps its tokens while
+    newcomers take its slot; anything writing to a lent cache between steps (its own forward, a
+    crop) stays consistent with the batched steps."""
+    model = build("llama")
+    all_ids = prompts(seed=6)
+    caches = [TieredCache.from_policy(FULL, model.config) for _ in all_ids]
+    ws = StepWorkspace()
+    tokens, _ = staggered(model, all_ids, caches, ws)
+    refs = []
+    for i, ids in enumerate(all_ids):
+        ref = DynamicCache()
+        alone(model, ids, PLAN[i][1], ref)
+        refs.append(ref)
+        n = caches[i].get_seq_length()
+        for layer, want in zip(caches[i].layers, ref.layers):
+            k, v = layer.kv()
+            torch.testing.assert_close(k, want.keys[:, :, :n], atol=1e-5, rtol=0)
+            torch.testing.assert_close(v, want.values[:, :, :n], atol=1e-5, rtol=0)
+    # sequences 0 and 2 decode on together (lent), 3 joins; 0 is forked mid-way and its fork run alone
+    live = [0, 2, 3]
+    space = {t.untyped_storage().data_ptr() for s in ws._spaces.values() for t in (s.keys, s.values)}
+    fork = None
+    for step in range(6):
+        rows = [Row(caches[i], [tokens[i][-1]]) for i in live]
+        out = run_rows(model, rows, ws)
+        assert not out.failed
+        for r, i in enumerate(live):
+            tokens[i].append(int(out.logits[r].argmax()))
+        if step == 1:
+            space = {t.untyped_storage().data_ptr() for s in ws._spaces.values() for t in (s.keys, s.values)}
+            assert _storages(caches[0]) <= space  # lent: its layers read slots of the workspace
+            fork = caches[0].fork()
+            assert not _storages(fork) & space
+            fork_tokens = list(tokens[0])
+        if step == 2:  # its own forward between two steps: a plain update of the lent layers
+            with torch.no_grad():
+                out = model(input_ids=torch.tensor([[tokens[3][-1]]]), **cache_arg(caches[3]))
+            tokens[3].append(int(out.logits[0, -1].argmax()))
+        if step == 3:
+            live = [2, 3, 1]  # 0 leaves (its memory its own again), 1 comes back and takes a free slot
+            kept = [t.clone() for layer in caches[0].layers for t in layer.kv()]
+    assert not _storages(caches[0]) & space
+    assert all(torch.equal(a, b) for a, b in zip(kept, [t for layer in caches[0].layers for t in layer.kv()]))
+    for i in (0, 1, 2, 3):  # every token so far, fed alone from scratch
+        fed = all_ids[i] + tokens[i][:-1]
+        ref = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([fed]), **cache_arg(ref))
+        assert caches[i].get_seq_length() == len(fed)
+        for layer, want in zip(caches[i].layers, ref.layers):
+            torch.testing.assert_close(layer.kv()[0], want.keys, atol=1e-4, rtol=0)
+            torch.testing.assert_close(layer.kv()[1], want.values, atol=1e-4, rtol=0)
+    # the fork continues alone as its parent did from the same point
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[fork_tokens[-1]]]), **cache_arg(fork))
+    assert int(out.logits[0, -1].argmax()) == tokens[0][len(fork_tokens)]
+    caches[2].crop(-2)  # a crop of a lent cache: the next step continues from the shorter history
+    tokens[2] = tokens[2][:-2]
+    out = run_rows(model, [Row(caches[2], [tokens[2][-1]]), Row(caches[3], [tokens[3][-1]])], ws)
+    ref = DynamicCache()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([all_ids[2] + tokens[2]]), **cache_arg(ref)).logits[0, -1]
+    torch.testing.assert_close(out.logits[0], want, atol=1e-4, rtol=0)

@@ -14,22 +14,25 @@ read once per step whatever the number of sequences, which is where batching win
 Attention runs through transformers' ``AttentionInterface``: during ``run_rows`` the model's
 attention implementation is ``tiercache_packed`` and its cache argument is a ``PackedCache`` over
 the rows' caches. Each attention layer calls ``PackedCache.update(k, v, layer)`` with the packed
-``[1, Hkv, T, D]`` keys and values; it splits them by row, calls each row's
-``TieredCache.update`` (so each conversation keeps its own policy, tiers, quantization and
-offload, untouched) and keeps what each returns. Then:
+``[1, Hkv, T, D]`` keys and values. Then:
 
 - the *decoding* rows (one token) whose layer stores every token at full precision
-  (``FullLayer``), when there are two or more, attend in **one call** for the layer: ``workspace.StepWorkspace`` keeps a padded
-  copy of their keys and values across steps (only the newest token is written each step) and runs
-  one SDPA with a padding mask;
-- every other row (a prefill chunk; a quantized, offloaded or sliding layer; a soft-capped model)
-  takes its own queries ``[1, H, t, D]`` against its own keys ``[1, Hkv, L, D]`` with SDPA
-  (``eager`` maths when the model soft-caps logits, Gemma 2), with its own causal mask: the
+  (``FullLayer``), when there are two or more, are **joined** (``workspace.StepWorkspace``, planned
+  once per step): their layers' buffers are slots of one padded K/V per layer, so one indexed
+  write stores every joined row's new token in its own cache, and one SDPA with a padding mask
+  attends all of them; the masks and index tensors are made once per step;
+- every other row (a prefill chunk; a quantized, offloaded or sliding layer; an empty cache) is
+  split off and goes through its own ``TieredCache.update`` (so each conversation keeps its own
+  policy, tiers, quantization and offload, untouched), and takes its own queries ``[1, H, t, D]``
+  against the keys ``[1, Hkv, L, D]`` it returned with SDPA, with its own causal mask: the
   returned keys are the newest ``L`` tokens of the row (a sliding layer returns its window), so
   key ``j`` sits at position ``p + t - L + j`` for queries at ``p .. p + t - 1``; a query sees a
   key at or before it, and within ``sliding_window`` when the layer is a sliding one. A decoding
-  row (``t = 1``) needs no mask.
+  row (``t = 1``) needs no mask. A soft-capped model (Gemma 2) attends every row on its own with
+  ``eager`` maths, the joined ones over their slots.
 
+When every token of the step is a joined row's (a step of decoding only), nothing is split or
+copied per row: the packed keys, queries and outputs are used as they are.
 transformers builds no mask of its own for an implementation it has no mask function for. The
 rows' outputs are put back in packed order; ``o_proj`` and the rest run batched again.
 
@@ -52,7 +55,6 @@ import torch
 import torch.nn.functional as F
 
 from tiercache.cache.compat import cache_arg
-from tiercache.layers.full import FullLayer
 from tiercache.serve.workspace import StepWorkspace
 
 NAME = "tiercache_packed"
@@ -73,49 +75,51 @@ class Output:
 
 
 class PackedCache:
-    """What the model sees as its cache during a packed forward: splits each layer's update by row,
-    and notes which decoding rows may join the layer's one batched attention call (``joined``)."""
+    """What the model sees as its cache during a packed forward: at each layer, the rows joined in
+    the step workspace (``step.rows(layer)``) take their new token in one write; every other row
+    is split off and goes through its own ``TieredCache.update``."""
 
-    def __init__(self, rows: list[Row], spans: list[tuple[int, int]], positions: list[int], workspace, slots: list):
+    def __init__(self, rows: list[Row], spans: list[tuple[int, int]], positions: list[int], workspace, step):
         self.rows, self.spans, self.positions = rows, spans, positions
-        self.workspace, self.slots = workspace, slots  # slots[i]: row i's workspace slot, None: not decoding
+        self.workspace, self.step = workspace, step  # step: the workspace's plan (None: no row joins)
         self.failed: dict[int, BaseException] = {}
-        self.kv: list = [None] * len(rows)  # per row: (keys, values) of the layer being run
+        self.kv: list = [None] * len(rows)  # per row on its own: (keys, values) of the layer being run
         self.layer = None  # the layer being run
-        self.joined: list[int] = []  # rows of this layer in the batched call
+        self.joined: tuple = ()  # rows of this layer in the workspace
+        self._alone: dict[tuple, list] = {}  # joined rows -> the other rows (one list per set)
 
     # transformers asks these of a cache; answered for the packed input as a whole
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
+    def alone(self) -> list[int]:
+        """The rows of this layer that are not joined (each its own update and attention)."""
+        rows = self._alone.get(self.joined)
+        if rows is None:
+            joined = set(self.joined)
+            rows = self._alone[self.joined] = [i for i in range(len(self.rows)) if i not in joined]
+        return rows
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # [1, Hkv, T, D]
-        self.layer, self.joined = layer_idx, []
-        for i, (row, (a, b)) in enumerate(zip(self.rows, self.spans)):
+        self.layer = layer_idx
+        self.joined = self.step.rows(layer_idx) if self.step is not None else ()
+        if self.joined:
+            try:
+                self.workspace.write(self.step, layer_idx, key_states, value_states)
+            except Exception as e:  # noqa: BLE001 - these rows fail, the others go on
+                for i in self.joined:
+                    self.failed.setdefault(i, e)
+        for i in self.alone():
+            row, (a, b) = self.rows[i], self.spans[i]
             k, v = key_states[:, :, a:b], value_states[:, :, a:b]  # [1, Hkv, t, D]
             if i not in self.failed:
                 try:
                     self.kv[i] = row.cache.update(k, v, layer_idx)
+                    continue
                 except Exception as e:  # noqa: BLE001 - this row fails, the others go on
                     self.failed[i] = e
-                else:
-                    if self.slots[i] is not None and _joins(row.cache, layer_idx, self.kv[i], self.positions[i], k):
-                        self.joined.append(i)
-                    continue
             self.kv[i] = (k, v)
         return key_states, value_states
-
-
-def _joins(cache, layer_idx: int, kv, position: int, new: torch.Tensor) -> bool:
-    """Whether a decoding row's layer may join the batched call: full-precision ``FullLayer``
-    storage that returned every token ``0 .. position`` in the step's dtype (so the workspace's
-    copy of it, grown by the token just given, is what the layer holds)."""
-    layers = getattr(cache, "layers", None)
-    if layers is None or type(layers[layer_idx]) is not FullLayer:
-        return False
-    k, v = kv
-    return (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.shape[0] == 1
-            and k.shape[2] == position + 1 and k.dtype == new.dtype and k.device == new.device
-            and v.shape[:3] == k.shape[:3])
 
 
 def packed_attention(module, query, key, value, attention_mask, *, scaling=None, sliding_window=None,
@@ -125,12 +129,27 @@ def packed_attention(module, query, key, value, attention_mask, *, scaling=None,
     batch = tiercache_rows
     if batch is None:
         raise RuntimeError(f"the {NAME!r} attention runs only inside tiercache.serve.batch.run_rows")
+    joined = batch.joined
+    if joined and softcap is None:
+        group = batch.step.group(batch.layer)
+        try:
+            res = batch.workspace.attend(batch.step, batch.layer, query, scaling=scaling,
+                                         window=sliding_window)  # [R, H, D]
+        except Exception as e:  # noqa: BLE001 - these rows fail, the others go on
+            for i in joined:
+                batch.failed.setdefault(i, e)
+            res = query.new_zeros(len(joined), query.shape[1], query.shape[3])
+        if group.at is None:  # the pack is these rows' tokens, in order
+            return res.unsqueeze(0), None  # [1, T, H, D]
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3],
                       dtype=query.dtype, device=query.device)  # [1, T, H, D]
-    joined = batch.joined if softcap is None and len(batch.joined) > 1 else []  # one alone: its own call
-    if joined:
-        _attend_joined(batch, joined, query, key, value, out, scaling, sliding_window)
-    alone = range(len(batch.spans)) if not joined else [i for i in range(len(batch.spans)) if i not in set(joined)]
+    alone = batch.alone()
+    if joined and softcap is None:
+        out[0, group.at.to(out.device)] = res
+    elif joined:  # a soft-capped model: each joined row on its own, over its slot
+        alone = [*joined, *alone]
+        for i in joined:
+            batch.kv[i] = batch.workspace.kv(batch.step, batch.layer, i)
     for i in alone:
         a, b = batch.spans[i]
         k, v = batch.kv[i]  # [1, Hkv, L, D]
@@ -141,23 +160,6 @@ def packed_attention(module, query, key, value, attention_mask, *, scaling=None,
             batch.failed.setdefault(i, e)
             out[:, a:b] = 0
     return out, None
-
-
-def _attend_joined(batch: PackedCache, joined: list[int], query, key, value, out, scaling, window) -> None:
-    """The joined rows (one token each) in one call; a fault fails all of them."""
-    at = torch.tensor([batch.spans[i][0] for i in joined], device=query.device)  # [R] their token in the pack
-    slots = [batch.slots[i] for i in joined]
-    try:
-        res = batch.workspace.attend(batch.layer, slots, [batch.positions[i] + 1 for i in joined],
-                                     [batch.kv[i] for i in joined], key[0, :, at].transpose(0, 1),
-                                     value[0, :, at].transpose(0, 1), query[0, :, at].transpose(0, 1),
-                                     scaling=scaling, window=window)  # [R, H, D]
-        out[0, at] = res
-    except Exception as e:  # noqa: BLE001 - these rows fail, the others go on
-        batch.workspace.forget(slots)
-        for i in joined:
-            batch.failed.setdefault(i, e)
-        out[0, at] = 0
 
 
 def _mask(t: int, length: int, position: int, window, device) -> torch.Tensor | None:
@@ -238,22 +240,24 @@ def run_rows(model, rows: list[Row], workspace: StepWorkspace | None = None) -> 
         positions.append(start)
         if row.sample:
             keep.append(len(ids) - 1)
-    workspace = workspace if workspace is not None else StepWorkspace()
-    decoding, seen = [], set()
-    for row in rows:  # one slot per cache (a cache twice in a step would be its own call)
-        one = len(row.ids) == 1 and id(row.cache) not in seen
+    own = workspace is None  # a workspace for this call only: every cache's memory its own again after
+    workspace = StepWorkspace() if own else workspace
+    members, seen = [], set()
+    for i, row in enumerate(rows):  # one slot per cache (a cache twice in a step is its own call)
+        if len(row.ids) == 1 and id(row.cache) not in seen:
+            members.append((i, row.cache, positions[i], spans[i][0]))
         seen.add(id(row.cache))
-        decoding.append(one)
-    if sum(decoding) < 2:  # one decoding row gains nothing from a shared call: its own, and no copy kept
-        decoding = [False] * len(rows)
-    slot_of = iter(workspace.begin([row.cache for row, one in zip(rows, decoding) if one]))
-    slots = [next(slot_of) if one else None for one in decoding]
-    batch = PackedCache(rows, spans, positions, workspace, slots)
+    step = workspace.plan(members, len(ids))  # fewer than two: none joins, and no copy is kept
+    batch = PackedCache(rows, spans, positions, workspace, step)
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, T]
     position_ids = torch.tensor([pos], dtype=torch.long, device=device)  # [1, T]
     logits_to_keep = torch.tensor(keep or [len(ids) - 1], dtype=torch.long, device=device)  # [R]
-    with torch.no_grad(), _implementation(model):
-        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=logits_to_keep,
-                    tiercache_rows=batch, **cache_arg(batch))
+    try:
+        with torch.no_grad(), _implementation(model):
+            out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=logits_to_keep,
+                        tiercache_rows=batch, **cache_arg(batch))
+    finally:
+        if own:
+            workspace.clear()
     logits = out.logits[0].float() if keep else out.logits[0, :0].float()  # [R, V]
     return Output(logits, batch.failed)

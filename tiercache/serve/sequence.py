@@ -18,6 +18,8 @@ What goes back to the store (``hand_back``), filed under the job's scope (its te
 ``cache_salt``: the checkout looked only there too): the cache and exactly the token ids whose K/V it
 holds (``fed`` of the prompt + generated ids). A cancelled or timed-out request keeps what it fed
 so far, a part of the prompt included, with no extra forward. A failed one keeps nothing.
+Before it leaves the worker thread the cache is released from the worker's step workspace
+(``StepWorkspace.release``: its lent layers hold their tokens in memory of their own again).
 
 Sampling: the worker picks every sampling row of a step at once (``sampling.pick_rows`` over the
 step's logits, each row through its sequence's ``Sampler``: penalties, ``logit_bias``,
@@ -191,6 +193,7 @@ class Sequence:
         cache, self.cache = self.cache, None
         if cache is None:
             return
+        self.w.workspace.release(cache)  # its memory its own again before the store's thread sees it
         if self.w.store is None or self.choice or self.fed == 0:  # one entry per request: choice 0's
             return cache.close()
         # the reservation ends first (read when the call runs: a split may replace it), then the entry is counted
@@ -201,4 +204,5 @@ class Sequence:
         self.done = True
         if self.cache is not None:
             self.cache.close()
+            self.w.workspace.release(self.cache)  # (closed first: nothing is copied out)
             self.cache = None

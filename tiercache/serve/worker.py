@@ -14,8 +14,9 @@
 
 Scheduling: up to ``max_active`` sequences are active (or being prepared). Each turn of the loop is one *step*: one
 forward of the model over every active sequence (``tiercache.serve.batch.run_rows``: the rows
-are packed into one input, each sequence updates its own ``TieredCache``; the decoding rows'
-full-precision layers attend in one call per layer over ``self.workspace``, the rest per sequence). A step
+are packed into one input, each sequence has its own ``TieredCache``; the decoding rows'
+full-precision layers are slots of ``self.workspace``: one cache write and one attention call per
+layer for all of them, the rest per sequence). A step
 holds one token of every decoding sequence plus prefill chunks: the sequences still prefilling,
 oldest first, share ``min(prefill_chunk, step_tokens - decoding rows)`` tokens of their prompts
 (after the store's prefix reuse), each taking what it still needs until the share is spent: a
