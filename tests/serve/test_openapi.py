@@ -85,7 +85,7 @@ def _capped(case):
     return case
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)
 def test_schemathesis_finds_no_server_error_and_the_server_answers_as_before(server):
     import schemathesis
     from schemathesis.checks import not_a_server_error
