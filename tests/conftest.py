@@ -48,6 +48,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+    items[:] = longest_files_first(items)
+
+
+SLOW_WEIGHT, TEST_WEIGHT = 30.0, 0.05  # rough seconds of a ``slow`` test and of another (most take milliseconds)
+
+
+def longest_files_first(items: list) -> list:
+    """The test files in order of their expected time, longest first; the tests of a file stay together
+    and in their order. ``make test`` runs ``-n 2 --dist loadfile --no-loadscope-reorder``: a worker
+    takes the next file from this order when it is almost done with its own, so the long files (those
+    with ``slow`` tests) start first and short ones fill in at the end, instead of a long file starting
+    last and running alone while the other worker idles. A ``slow`` marker's ``seconds=`` gives a
+    file's long test its expected time on two busy cores (default ``SLOW_WEIGHT``)."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def weight(tests: list) -> float:
+        total = 0.0
+        for item in tests:
+            slow = item.get_closest_marker("slow")
+            total += TEST_WEIGHT if slow is None else float(slow.kwargs.get("seconds", SLOW_WEIGHT))
+        return total
+
+    ordered = sorted(files.values(), key=weight, reverse=True)  # stable: equal weights keep collection order
+    return [item for tests in ordered for item in tests]
 
 
 SLOW_SECONDS = float(os.environ.get("TIERCACHE_SLOW_SECONDS", 20))  # a test longer than this is marked @pytest.mark.slow (make test still runs it)

@@ -58,7 +58,7 @@ def test_skips_when_transformers_serve_exits(tmp_path):
         assert "exited with code 3" in out.stdout and "no serving extra here" in out.stdout, out.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=150)
 @pytest.mark.skipif(not Path(sys.executable).with_name("transformers").is_file(), reason="no transformers CLI")
 def test_quick_comparison_runs(tmp_path):
     if not smollm2_converted():

@@ -53,7 +53,7 @@ def test_package_and_cli_import_with_torch_and_transformers_only():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=100)
 def test_gpu_quick_dry_run_passes_in_the_device_venv(tmp_path):
     py = device_python()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}

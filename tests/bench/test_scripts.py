@@ -69,6 +69,7 @@ SCRIPTS = [
 ]
 
 
+@pytest.mark.slow(seconds=25)  # each a script end to end in a fresh process (20-80 s on two busy cores)
 @pytest.mark.parametrize("script, args, expected", SCRIPTS)
 def test_bench_script_runs(script, args, expected, tmp_path):
     # this checkout's package, not whichever tiercache the interpreter has installed

@@ -235,7 +235,7 @@ def test_build_kernels_without_a_compiler_exits_1_and_says_so(tmp_path, monkeypa
     assert "not built" in capsys.readouterr().out
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=120)
 def test_build_kernels_compiles_once_then_a_run_uses_the_kernel(tmp_path):
     """The real compiler, two ``tiercache build-kernels`` at once into an empty directory: one
     compiles, the other waits and finds it; then a fresh process loads it, warns nothing, and its

@@ -5,7 +5,9 @@ in a fresh process with ``TRITON_INTERPRET=1`` (set before triton is imported th
 process and the rest of the suite never see it): 11 integer layouts x full / static / sliding x
 split counts (one, boundaries inside blocks, a short last split, more splits than blocks, the
 default), GQA, sinks, ``key_gain``, masks, several queries, odd head dims, bf16; within 1e-5 of
-dequantize-then-SDPA. Here: that run, the selection, and the import without triton.
+dequantize-then-SDPA. Here: the layouts on full and static storage in that process, the selection,
+and the import without triton; ``test_packed_triton_cases.py`` runs every other case in a second
+process (two files, so that pytest-xdist's two workers share the interpreter's minutes).
 """
 
 from __future__ import annotations
@@ -28,16 +30,30 @@ ROOT = Path(__file__).resolve().parents[2]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the `triton` extra)")
-def test_kernel_under_the_interpreter():
+# The interpreted cases in two processes: ``-k`` with an expression and with its negation, so that
+# together they run every case of interpreted_triton.py exactly once (42 when written).
+LAYOUTS_FULL_STATIC = "test_layouts_match_dequantize_then_sdpa and not sliding"
+INTERPRETED = {"layouts": (LAYOUTS_FULL_STATIC, 22), "cases": (f"not ({LAYOUTS_FULL_STATIC})", 20)}
+
+
+def run_interpreted(part: str) -> None:
+    """Runs one ``INTERPRETED`` part of ``interpreted_triton.py`` in a fresh process under the
+    interpreter; fails unless all its cases pass, at least as many as written, none skipped."""
+    select, least = INTERPRETED[part]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", select,
                           "tests/quantize/interpreted_triton.py"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     passed = re.search(r"(\d+) passed", out)
-    assert passed and int(passed.group(1)) >= 42 and "skipped" not in out, out[-3000:]
+    assert passed and int(passed.group(1)) >= least and "skipped" not in out, out[-3000:]
+
+
+@pytest.mark.slow(seconds=90)
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the `triton` extra)")
+def test_layouts_under_the_interpreter():
+    run_interpreted("layouts")
 
 
 def test_selection_by_device(monkeypatch):

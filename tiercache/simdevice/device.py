@@ -53,8 +53,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tiercache import runtime
-from tiercache.simdevice.memory import Block, Late, Op, SimDevice, SimEvent, SimStream, intervals, overlap, \
-    poison_, poison_dirty
+from tiercache.simdevice.memory import Block, Late, Op, SimDevice, SimEvent, SimStream, hull, intervals, \
+    overlap, poison_, poison_dirty
 
 HOST_FACTORIES = {"aten::from_file"}
 
@@ -287,12 +287,16 @@ class Sim:
         if not self.pending:
             return
         w = [iv for t in writes for iv in intervals(t)]
-        r = [iv for t in tensors for iv in intervals(t)]
-        for op in self.pending:
-            if overlap(op.writes, r + w):
+        rw = [iv for t in tensors for iv in intervals(t)] + w
+        (rw0, rw1), (w0, w1) = hull(rw), hull(w)
+        for op in self.pending:  # the hulls first: most pending ops are far from this op's memory
+            if op.hulls is None:
+                op.hulls = hull(op.writes), hull(op.reads)
+            (ow0, ow1), (or0, or1) = op.hulls
+            if ow0 < rw1 and rw0 < ow1 and overlap(op.writes, rw):
                 self.hazard(f"{func} used memory that {op.func} on {op.stream} writes before that landed "
                             "(wait_event / synchronize missing): it saw poison")
-            elif overlap(op.reads, w):  # the copy may read old or new bytes: what it copies from there is poison
+            elif or0 < w1 and w0 < or1 and overlap(op.reads, w):  # the copy may read old or new bytes: poison
                 op.dirty.extend(w)
 
     def touch(self, tensors, writes) -> None:
