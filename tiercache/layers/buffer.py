@@ -51,9 +51,9 @@ class Buffer:
 
     def view(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of held tokens ``[lo, hi)`` (relative to the oldest held token)."""
-        hi = len(self) if hi is None else hi
-        a, b = self.start + lo, self.start + hi
-        return self.keys.narrow(2, a, b - a), self.values.narrow(2, a, b - a)  # [B, H, hi-lo, D] (narrow: cheaper than [:, :, a:b])
+        n = (self.end - self.start if hi is None else hi) - lo
+        a = self.start + lo
+        return self.keys.narrow(2, a, n), self.values.narrow(2, a, n)  # [B, H, hi-lo, D] (narrow: cheaper than [:, :, a:b])
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Views of every held token; None before the first append (or after ``clear``)."""
@@ -111,20 +111,13 @@ class Buffer:
     # -- writing ------------------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor, slack: int = 0) -> None:
         """Write ``T`` tokens after the held ones; ``slack`` extra tokens of room when regrowing."""
-        first = self.spec is None
-        if first:
-            self.spec = KVSpec.read(key, value)  # (checked by the caller: tiercache.layers.validate)
-        t = key.shape[2]
-        if self.keys is None or self.end + t > self.capacity:  # (a first update may have no tokens)
-            try:
-                self._regrow(len(self) + t + slack)
-            except Exception:
-                if first:  # a refused first write leaves the buffer as new (free to take another shape)
-                    self.spec = None
-                raise
-        self.keys.narrow(2, self.end, t).copy_(key, non_blocking=True)
-        self.values.narrow(2, self.end, t).copy_(value, non_blocking=True)
-        self.end += t
+        keys, end, t = self.keys, self.end, key.shape[2]
+        if keys is None or end + t > keys.shape[2]:  # (a first update may have no tokens)
+            self._make_room(key, value, t + slack)
+            keys, end = self.keys, self.end
+        keys.narrow(2, end, t).copy_(key, True)  # non_blocking (positional: a keyword costs a parse per call)
+        self.values.narrow(2, end, t).copy_(value, True)
+        self.end = end + t
 
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` held tokens in all: the next allocation (now, when tokens are held)
@@ -167,6 +160,18 @@ class Buffer:
         self.spec = None
 
     # -- internals ----------------------------------------------------------------------------
+    def _make_room(self, key: torch.Tensor, value: torch.Tensor, more: int) -> None:
+        """Regrow for ``more`` tokens after the held ones; a first write learns the spec first."""
+        first = self.spec is None
+        if first:
+            self.spec = KVSpec.read(key, value)  # (checked by the caller: tiercache.layers.validate)
+        try:
+            self._regrow(len(self) + more)
+        except Exception:
+            if first:  # a refused first write leaves the buffer as new (free to take another shape)
+                self.spec = None
+            raise
+
     def _alloc(self, batch: int, capacity: int, dim: int) -> torch.Tensor:
         s = self.spec
         return self.tier.empty((batch, s.heads, capacity, dim), s.dtype, s.device)
