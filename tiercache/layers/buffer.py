@@ -25,9 +25,11 @@ import torch
 
 from tiercache.errors import CacheError
 from tiercache.layers import regrowth
+from tiercache.layers.base import KVLayer
 from tiercache.layers.capacity import CHUNK, capacity_for, grown_capacity  # the allocation rules (also the planner's)
 from tiercache.layers.spec import KVSpec
-from tiercache.layers.state import empty_pair, field, held_pair, spec_from, spec_state
+from tiercache.layers.state import field, held_pair, spec_from, spec_state
+from tiercache.layers.tiers import nbytes_of
 
 class Buffer:
     def __init__(self, tier, chunk: int = CHUNK, geometric: bool = False):
@@ -64,21 +66,16 @@ class Buffer:
     def nbytes(self) -> dict[str, int]:
         if self.keys is None:
             return {}
-        size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-        return {self.tier.place(self.spec.device): size}
+        return {self.tier.place(self.spec.device): nbytes_of(self.keys, self.values)}
 
     def tier_nbytes(self) -> dict[str, int]:
         """``nbytes()`` keyed by tier kind (``device`` / ``host`` / ``disk``) instead of place."""
         return {self.tier.kind: n for n in self.nbytes().values()}
 
-    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of every held token, zero-token tensors when none (needs a spec)."""
-        return self.view() if self.keys is not None else empty_pair(self.spec)
-
     def state_dict(self) -> dict:
         if self.spec is None:
             return {"spec": None}
-        k, v = self.held()
+        k, v = self.peek()
         return {"spec": spec_state(self.spec), "capacity": self.capacity, "keys": k, "values": v}
 
     def load_state_dict(self, sd: dict, kind: str) -> None:
@@ -194,7 +191,7 @@ class Buffer:
                 k, v = self.view()
                 new_k[:, :, :held].copy_(k)
                 new_v[:, :, :held].copy_(v)
-                regrowth.record(self.tier.kind, k.numel() * k.element_size() + v.numel() * v.element_size())
+                regrowth.record(self.tier.kind, nbytes_of(k, v))
             self._replace(new_k, new_v)
         self.start, self.end = 0, held
 
@@ -206,3 +203,36 @@ class Buffer:
                 self.tier.free(t)
         if keys is None:
             self.start = self.end = 0
+
+
+class BufferedLayer(KVLayer):
+    """A storage layer over one ``Buffer`` (``self.buffer``: ``full``, ``sliding``): the answers
+    that come from the buffer alone. A subclass writes, crops and keeps its own counts."""
+
+    buffer: Buffer
+
+    def layout(self):
+        return self.buffer.spec
+
+    def gather(self, index: torch.Tensor) -> None:
+        if self.buffer.spec is not None:
+            self.buffer.gather(index)
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.buffer.view() if self.buffer.spec is not None and len(self.buffer) else None
+
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.buffer.peek()
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.buffer.spec is not None
+
+    def nbytes(self) -> dict[str, int]:
+        return self.buffer.nbytes()
+
+    def tier_nbytes(self) -> dict[str, int]:
+        return self.buffer.tier_nbytes()
+
+    def batch_size(self) -> int | None:
+        return None if self.buffer.spec is None else self.buffer.spec.batch

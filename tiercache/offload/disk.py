@@ -17,6 +17,7 @@ directory again. ``nbytes`` places these bytes under ``"disk"``.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -48,10 +49,7 @@ class DiskTier:
         self._finalizer: weakref.finalize | None = None
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        numel, nbytes = math.prod(int(s) for s in shape), allowance.size_of(shape, dtype)
         allowance.charge(shape, dtype)  # a bounded load: refused before any file is made
         if numel == 0:
             return torch.empty(shape, dtype=dtype)

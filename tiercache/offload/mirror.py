@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from tiercache.layers.capacity import grown_capacity
+from tiercache.layers.tiers import nbytes_of
 
 
 def mirror_capacity(need: int, floor: int = 0) -> int:
@@ -74,10 +75,6 @@ def layout_bytes(k: torch.Tensor, v: torch.Tensor, cap: int) -> int:
     """Bytes of a mirror of ``cap`` tokens for keys like ``k`` and values like ``v``."""
     b, h = k.shape[:2]
     return b * h * cap * (k.shape[3] + v.shape[3]) * k.element_size()
-
-
-def nbytes_of(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 @dataclass(frozen=True)
@@ -147,7 +144,7 @@ class Mirror:
             t = ek.shape[2]
             self.k[:, :, s : s + t].copy_(ek, non_blocking=True)
             self.v[:, :, s : s + t].copy_(ev, non_blocking=True)
-            moved += nbytes_of(ek) + nbytes_of(ev)
+            moved += nbytes_of(ek, ev)
             s += t
         if self.pad:
             for dst in (self.k, self.v):

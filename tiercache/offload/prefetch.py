@@ -68,7 +68,8 @@ import torch
 from tiercache import runtime
 from tiercache.errors import CacheError
 from tiercache.layers import regrowth
-from tiercache.layers.tiers import place_of
+from tiercache.layers.allowance import size_of
+from tiercache.layers.tiers import by_place, nbytes_of
 from tiercache.offload.mirror import Mirror, layout_bytes, mirror_capacity, plan
 
 ALIGN = 2 << 20  # slot bytes grow in 2 MiB steps
@@ -91,11 +92,8 @@ class Slot:
     def views(self, shapes, dtype: torch.dtype) -> list[torch.Tensor]:
         """Typed views laid end to end over the slot's bytes, one per shape."""
         out, offset = [], 0
-        size = torch.empty((), dtype=dtype).element_size()
         for shape in shapes:
-            n = size
-            for s in shape:
-                n *= s
+            n = size_of(shape, dtype)
             out.append(self.data[offset : offset + n].view(dtype).view(shape))
             offset += n
         return out
@@ -195,7 +193,7 @@ class Prefetcher:
             slot.home = home
         mirror.relayout(cap, key, value, old)
         if old is not None:
-            regrowth.record("device", sum(t.numel() * t.element_size() for t in old))
+            regrowth.record("device", nbytes_of(*old))
 
     def stats(self) -> dict[str, int]:
         """The counters (see the module docstring), by name."""
@@ -215,12 +213,7 @@ class Prefetcher:
 
     # -- accounting and lifetime ------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for slot in self.slots:
-            if slot.data is not None:
-                place = place_of(slot.data.device)
-                out[place] = out.get(place, 0) + slot.nbytes()
-        return out
+        return by_place(slot.data for slot in self.slots if slot.data is not None)
 
     def close(self) -> None:
         for slot in self.slots:

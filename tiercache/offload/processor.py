@@ -75,9 +75,9 @@ from tiercache.layers.base import KVLayer
 from tiercache.layers.delegating import Delegating
 from tiercache.layers.spec import KVSpec, check_pair
 from tiercache.layers.state import expect, nest, part
-from tiercache.layers.tiers import HostTier
+from tiercache.layers.tiers import HostTier, nbytes_of
 from tiercache.offload import writeback
-from tiercache.offload.mirror import mirror_capacity, nbytes_of, row_stride
+from tiercache.offload.mirror import mirror_capacity, row_stride
 from tiercache.offload.prefetch import Prefetcher
 from tiercache.policy.schema import OffloadPolicy
 
@@ -135,7 +135,7 @@ class Offload(Delegating):
             host_k, host_v = writeback.to_host(key, value)  # [B, H, T, D] on the CPU
             out = self.inner.append(host_k, host_v)  # may still raise (disk full): the mirror holds the same tokens
             shown = out[0].shape[2]
-        self.prefetcher.count_d2h(nbytes_of(key) + nbytes_of(value))
+        self.prefetcher.count_d2h(nbytes_of(key, value))
         mirror.append(key, value)
         result = mirror.shown(shown)  # the inner's answer, on the device
         if not defer:
@@ -168,7 +168,7 @@ class Offload(Delegating):
         except CacheError:
             self.prefetcher.evict(self)  # the host copy is as it was; the next use fetches it again
             raise
-        self.prefetcher.count_d2h(nbytes_of(key) + nbytes_of(value))
+        self.prefetcher.count_d2h(nbytes_of(key, value))
         kept = self.inner.kv()
         n = 0 if kept is None else kept[0].shape[2]
         mirror.append(k[:, :, k.shape[2] - n:], v[:, :, v.shape[2] - n:])
