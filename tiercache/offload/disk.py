@@ -29,10 +29,6 @@ from tiercache.errors import CacheError
 from tiercache.layers import allowance
 
 
-def _remove_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def reserve(fd: int, nbytes: int) -> None:
     """Give the file ``nbytes`` of real blocks (raises ``OSError`` ENOSPC when the disk is full)."""
     os.posix_fallocate(fd, 0, nbytes)
@@ -100,7 +96,7 @@ class DiskTier:
         if self.dir is None:
             os.makedirs(self.root, exist_ok=True)
             self.dir = tempfile.mkdtemp(prefix=f"tiercache-{self.label}-", dir=self.root)
-            self._finalizer = weakref.finalize(self, _remove_dir, self.dir)  # also runs at exit
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)  # ignore_errors; also runs at exit
         elif not os.path.isdir(self.dir):  # removed under us (a temp cleaner): make it again
             os.makedirs(self.dir, exist_ok=True)
         return self.dir

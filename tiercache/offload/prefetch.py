@@ -144,12 +144,8 @@ class Prefetcher:
         self.current = layer.key
         self._wait(mirror.slot)
         for nxt in wanted[1:]:
-            if nxt.key not in self.mirrors:
-                try:
-                    self._fetch(nxt, 1)
-                except CacheError:
-                    self.skipped_fetches += 1
-                    break  # fetching ahead is optional: that layer is fetched (or reports) when used
+            if nxt.key not in self.mirrors and not self._fetch_ahead(nxt):
+                break
         return mirror
 
     def mirror(self, layer) -> Mirror | None:
@@ -159,10 +155,7 @@ class Prefetcher:
     def prefetch(self, layer) -> None:
         """Start fetching ``layer`` ahead of use, if a slot is free (never evicts)."""
         if layer.key not in self.mirrors and any(s.owner is None for s in self.slots):
-            try:
-                self._fetch(layer, 1)
-            except CacheError:
-                self.skipped_fetches += 1  # optional, as above
+            self._fetch_ahead(layer)
 
     def evict(self, layer) -> None:
         """Forget the layer's mirror (no wait: see "Safety")."""
@@ -241,6 +234,16 @@ class Prefetcher:
             rt = runtime.current()
             slot.release = rt.event()
             slot.release.record(rt.current_stream(slot.home))
+
+    def _fetch_ahead(self, layer) -> bool:
+        """Fetch ``layer`` ahead of its use; False (counted) when no device memory: fetching ahead
+        is optional, that layer is fetched (or reports) when used."""
+        try:
+            self._fetch(layer, 1)
+            return True
+        except CacheError:
+            self.skipped_fetches += 1
+            return False
 
     def _fetch(self, layer, room: int) -> None:
         slot = next((s for s in self.slots if s.owner is None), None) or Slot()

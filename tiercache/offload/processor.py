@@ -184,11 +184,11 @@ class Offload(Delegating):
         return None if spec is None else dataclasses.replace(spec, device=self.device)
 
     def seq_length(self) -> int:
-        return self.inner.seq_length() + writeback.staged_tokens(self)
+        return self.inner.seq_length() + self.staged.tokens()
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
         kv_length, offset = self.inner.mask_sizes(query_length)
-        return kv_length + writeback.staged_tokens(self), offset  # staged only on full / static storage: no window offset
+        return kv_length + self.staged.tokens(), offset  # staged only on full / static storage: no window offset
 
     def validate_crop(self, n: int) -> None:
         self._settle()
@@ -197,7 +197,8 @@ class Offload(Delegating):
     def changing(self) -> None:
         """Host-side operations (crop, gather, set_recording, evict: ``Delegating``): pending write-backs
         join the host copy, the mirror is dropped, then the host layer changes; the next use fetches it again."""
-        self._release_mirror()
+        self._settle()
+        self.prefetcher.evict(self)  # drops the mirror (a fetch in flight fills it for nobody)
 
     def reset(self) -> None:
         self.staged.clear()  # pending write-backs (or a failed one) are of no use: the layer empties
@@ -340,17 +341,13 @@ class Offload(Delegating):
         self.home = runtime.current().device_of(key)
 
     def _settle(self, block: bool = True) -> None:
-        writeback.settle(self, block)
+        self.staged.settle(self.inner, block)
 
     def _settle_unless_failed(self) -> None:
         """Settle, unless a write-back already failed: then ``nbytes()`` still counts what is held
         (the failure is reported by the layer's use), and a replacing state may take its place."""
         if self.staged.failed is None:
             self._settle()
-
-    def _release_mirror(self) -> None:
-        self._settle()
-        self.prefetcher.evict(self)  # drops the mirror (a fetch in flight fills it for nobody)
 
     def _before_replace(self) -> None:
         """Before the host copy is replaced (``ingest``, ``load_state_dict``, ``adopt``): pending
