@@ -137,20 +137,18 @@ class Buffer:
 
     def gather(self, index: torch.Tensor) -> None:
         """Batch rows ``index`` (beam reorder, select, repeat-interleave), into fresh memory."""
-        if self.keys is None:  # nothing held (a window of 1 keeps no token): the batch still changes
-            if self.spec is not None:
-                self.spec = self.spec.with_batch(index.numel())
-            return
-        index = index.to(self.keys.device)
-        held = len(self)
-        k, v = self.view()
-        new_k = self._alloc(index.numel(), self.capacity, self.spec.key_dim)
-        new_v = self._alloc(index.numel(), self.capacity, self.spec.value_dim)
-        new_k[:, :, : len(self)].copy_(k.index_select(0, index))
-        new_v[:, :, : len(self)].copy_(v.index_select(0, index))
-        self._replace(new_k, new_v)
-        self.start, self.end = 0, held
-        self.spec = self.spec.with_batch(index.numel())
+        if self.keys is not None:  # (nothing held, a window of 1 keeping no token: the batch still changes)
+            index = index.to(self.keys.device)
+            held = len(self)
+            k, v = self.view()
+            new_k = self._alloc(index.numel(), self.capacity, self.spec.key_dim)
+            new_v = self._alloc(index.numel(), self.capacity, self.spec.value_dim)
+            new_k[:, :, :held].copy_(k.index_select(0, index))
+            new_v[:, :, :held].copy_(v.index_select(0, index))
+            self._replace(new_k, new_v)
+            self.start, self.end = 0, held
+        if self.spec is not None:
+            self.spec = self.spec.with_batch(index.numel())
 
     def clear(self) -> None:
         self._replace(None, None)

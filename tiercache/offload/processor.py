@@ -242,11 +242,8 @@ class Offload(Delegating):
         return self.inner.tier_nbytes()
 
     def batch_size(self) -> int | None:
-        batch = self.inner.batch_size()
-        first = self.staged.first()
-        if batch is None and first is not None:  # a staged first update counts (as in is_initialized)
-            batch = first[0].shape[0]
-        return batch
+        spec = self.layout()  # a staged first update counts (as in is_initialized)
+        return None if spec is None else spec.batch
 
     # -- lifecycle: the host copy is the state; the mirror is never part of it ------------------
     # Each method settles pending write-backs first: the host copy must hold every token before
