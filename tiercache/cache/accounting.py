@@ -11,19 +11,9 @@
 
 from __future__ import annotations
 
-from tiercache.layers.tiers import place_of
+from tiercache.layers.tiers import by_place, summed  # (the layers' accounting, shared)
 
-
-def summed(parts) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for part in parts:
-        for key, n in part.items():
-            total[key] = total.get(key, 0) + n
-    return total
-
-
-def by_place(tensors) -> dict[str, int]:
-    return summed({place_of(t.device): t.numel() * t.element_size()} for t in tensors)
+__all__ = ["by_place", "per_place", "per_tier", "plus_device", "summed"]
 
 
 def plus_device(tiers: dict[str, int], n: int) -> dict[str, int]:

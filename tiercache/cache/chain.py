@@ -57,6 +57,7 @@ from tiercache.layers.buffer import CHUNK, capacity_for
 from tiercache.layers.full import FullLayer
 from tiercache.layers.sliding import SlidingLayer
 from tiercache.layers.static import StaticLayer
+from tiercache.layers.tiers import by_place, summed
 from tiercache.models.spec import INDEXED_TYPES, SIDE_STATE_TYPES
 from tiercache.policy.schema import LayerPolicy
 
@@ -126,19 +127,11 @@ class Shared:
 
     def workspace_nbytes(self) -> dict[str, int]:
         """Bytes of the dequantization workspaces, per place (part of ``nbytes()``)."""
-        from tiercache.layers.tiers import place_of
-
-        out: dict[str, int] = {}
-        for (_, device, _), buf in self._workspaces.items():
-            out[place_of(device)] = out.get(place_of(device), 0) + buf.numel() * buf.element_size()
-        return out
+        return by_place(self._workspaces.values())
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of shared buffers (the prefetcher's device mirrors, the workspaces), per place."""
-        out = dict(self._prefetcher.nbytes()) if self._prefetcher is not None else {}
-        for place, n in self.workspace_nbytes().items():
-            out[place] = out.get(place, 0) + n
-        return out
+        return summed([self._prefetcher.nbytes() if self._prefetcher is not None else {}, self.workspace_nbytes()])
 
     def close(self) -> None:
         if self._prefetcher is not None:

@@ -2,7 +2,8 @@
 
     LayerRoles(model_spec, n)        the roles of a cache's ``n`` layers, fixed at construction
     i in roles                       layer ``i`` is a KV-sharing placeholder
-    roles.stores                     the layers that are not placeholders, in order
+    roles.stores                     the layers that are not placeholders, in order (``roles.writable``:
+                                     the same as a set, what ``update`` may write)
     roles.kv_layers                  the layers that store attention K/V (not placeholders, not
                                      state-only or empty layers); ``roles.first``: the first of them
     roles.is_linear / is_dummy       transformers' per-layer flags (below)
@@ -37,6 +38,7 @@ class LayerRoles:
         self.attends = [bool(model.attends(i)) for i in range(n)]
         self.has_state = [bool(model.states(i)) for i in range(n)]
         self.stores = [i for i in range(n) if i not in self.reuse]
+        self.writable = frozenset(self.stores)
         self.kv_layers = [i for i in self.stores if self.attends[i]]
         self.first = self.kv_layers[0] if self.kv_layers else None
         self.is_linear = [s and not a for s, a in zip(self.has_state, self.attends)]

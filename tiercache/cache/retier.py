@@ -85,6 +85,9 @@ def retier_all(caches: list, policy) -> None:
         for back in reversed(undo):
             back()
         raise
+    finally:
+        for cache in caches:
+            cache._index_layers()
 
 
 def _check(cache, targets) -> None:

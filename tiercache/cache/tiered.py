@@ -52,6 +52,7 @@ class TieredCache(Cache):
         self.token_ids: list | None = None  # set by load() when the save had them
         self._shared = shared if shared is not None else Shared()  # what the layers share (workspace, prefetcher)
         self._roles = LayerRoles(model, len(layers))  # placeholders, K/V and state layers: fixed at construction
+        self._index_layers()
 
     @classmethod
     def _build(cls, policy: Policy, model: ModelSpec, model_type: str | None = None) -> "TieredCache":
@@ -95,12 +96,31 @@ class TieredCache(Cache):
 
     # -- the write path --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self._layer(layer_idx)
-        self._roles.check_update(layer_idx)
-        self._on(layer_idx, lambda layer: check_update(layer, key_states, value_states, model=True))
-        if layer_idx == self._roles.first:
-            check_room({i: self.layers[i] for i in self._roles.kv_layers}, key_states.shape[2])
-        return self._on(layer_idx, lambda layer: layer.append(key_states, value_states))
+        """Checked once, here (``tiercache.layers.validate``), then appended to the chain, which
+        trusts it. A decode step costs a set lookup and the layout check; the room of the bounded
+        layers (static storage) is checked at a forward's first write, and per layer for them only."""
+        if type(layer_idx) is not int or layer_idx not in self._roles.writable:
+            self._layer(layer_idx)  # CacheError: not a layer index of this cache
+            self._roles.check_update(layer_idx)  # CacheError: a KV-sharing placeholder
+        layer = self.layers[layer_idx]
+        try:
+            check_update(layer, key_states, value_states, model=True, room=layer_idx in self._bounded)
+        except CacheError as e:
+            raise CacheError(f"layer {layer_idx}: {e}") from e
+        if layer_idx == self._roles.first and self._bounded:
+            check_room(self._bounded, key_states.shape[2])
+        try:
+            return layer.append(key_states, value_states)
+        except CacheError as e:
+            raise CacheError(f"layer {layer_idx}: {e}") from e
+
+    def _index_layers(self) -> None:
+        """Re-read what the write path keeps of the layers (which are bounded, which slide):
+        at construction, and by ``retier`` after it swaps chains."""
+        roles, layers = self._roles, self.layers
+        self._bounded = {i: layers[i] for i in roles.kv_layers
+                         if not layers[i].is_sliding and layers[i].max_length() > 0}  # static storage: has a room
+        self._sliding = [layer.is_sliding and i not in roles for i, layer in enumerate(layers)]
 
     # -- what transformers asks ------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -120,7 +140,7 @@ class TieredCache(Cache):
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [layer.is_sliding and i not in self._roles for i, layer in enumerate(self.layers)]
+        return list(self._sliding)
 
     @property
     def is_linear(self) -> list[bool]:

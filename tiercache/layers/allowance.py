@@ -3,6 +3,7 @@
     with allowance.within(max_bytes, "load", hint):
         ...   # every tier allocation inside is charged first
     allowance.charge(shape, dtype)   # by the tiers (compute, host, disk), before they allocate
+    allowance.size_of(shape, dtype)  # the bytes such an allocation takes
 
 Inside ``within``, each allocation a tier makes is counted before it is made, and one that would
 take the total past ``nbytes`` raises ``CacheError`` instead (naming ``what``, the bytes asked,
@@ -39,12 +40,17 @@ def within(nbytes: int, what: str, hint: str = ""):
         _current.reset(token)
 
 
+def size_of(shape, dtype: torch.dtype) -> int:
+    """Bytes of an allocation of ``shape`` x ``dtype``."""
+    return math.prod(int(s) for s in shape) * torch.empty((), dtype=dtype).element_size()
+
+
 def charge(shape, dtype: torch.dtype) -> None:
     """Count an allocation of ``shape`` x ``dtype``; ``CacheError`` when it would pass the bound."""
     a = _current.get()
     if a is None:
         return
-    nbytes = math.prod(int(s) for s in shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = size_of(shape, dtype)
     if a.used + nbytes > a.limit:
         raise CacheError(f"{a.what} would allocate {a.used + nbytes} bytes (an allocation of {nbytes} for "
                          f"{tuple(int(s) for s in shape)} {str(dtype).replace('torch.', '')}), over its bound of "

@@ -25,9 +25,11 @@ import torch
 
 from tiercache.errors import CacheError
 from tiercache.layers import regrowth
+from tiercache.layers.base import KVLayer
 from tiercache.layers.capacity import CHUNK, capacity_for, grown_capacity  # the allocation rules (also the planner's)
 from tiercache.layers.spec import KVSpec
-from tiercache.layers.state import empty_pair, field, held_pair, spec_from, spec_state
+from tiercache.layers.state import field, held_pair, spec_from, spec_state
+from tiercache.layers.tiers import nbytes_of
 
 class Buffer:
     def __init__(self, tier, chunk: int = CHUNK, geometric: bool = False):
@@ -51,9 +53,9 @@ class Buffer:
 
     def view(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of held tokens ``[lo, hi)`` (relative to the oldest held token)."""
-        hi = len(self) if hi is None else hi
-        a, b = self.start + lo, self.start + hi
-        return self.keys.narrow(2, a, b - a), self.values.narrow(2, a, b - a)  # [B, H, hi-lo, D] (narrow: cheaper than [:, :, a:b])
+        n = (self.end - self.start if hi is None else hi) - lo
+        a = self.start + lo
+        return self.keys.narrow(2, a, n), self.values.narrow(2, a, n)  # [B, H, hi-lo, D] (narrow: cheaper than [:, :, a:b])
 
     def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Views of every held token; None before the first append (or after ``clear``)."""
@@ -64,21 +66,16 @@ class Buffer:
     def nbytes(self) -> dict[str, int]:
         if self.keys is None:
             return {}
-        size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-        return {self.tier.place(self.spec.device): size}
+        return {self.tier.place(self.spec.device): nbytes_of(self.keys, self.values)}
 
     def tier_nbytes(self) -> dict[str, int]:
         """``nbytes()`` keyed by tier kind (``device`` / ``host`` / ``disk``) instead of place."""
         return {self.tier.kind: n for n in self.nbytes().values()}
 
-    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of every held token, zero-token tensors when none (needs a spec)."""
-        return self.view() if self.keys is not None else empty_pair(self.spec)
-
     def state_dict(self) -> dict:
         if self.spec is None:
             return {"spec": None}
-        k, v = self.held()
+        k, v = self.peek()
         return {"spec": spec_state(self.spec), "capacity": self.capacity, "keys": k, "values": v}
 
     def load_state_dict(self, sd: dict, kind: str) -> None:
@@ -111,20 +108,13 @@ class Buffer:
     # -- writing ------------------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor, slack: int = 0) -> None:
         """Write ``T`` tokens after the held ones; ``slack`` extra tokens of room when regrowing."""
-        first = self.spec is None
-        if first:
-            self.spec = KVSpec.read(key, value)  # (checked by the caller: tiercache.layers.validate)
-        t = key.shape[2]
-        if self.keys is None or self.end + t > self.capacity:  # (a first update may have no tokens)
-            try:
-                self._regrow(len(self) + t + slack)
-            except Exception:
-                if first:  # a refused first write leaves the buffer as new (free to take another shape)
-                    self.spec = None
-                raise
-        self.keys.narrow(2, self.end, t).copy_(key, non_blocking=True)
-        self.values.narrow(2, self.end, t).copy_(value, non_blocking=True)
-        self.end += t
+        keys, end, t = self.keys, self.end, key.shape[2]
+        if keys is None or end + t > keys.shape[2]:  # (a first update may have no tokens)
+            self._make_room(key, value, t + slack)
+            keys, end = self.keys, self.end
+        keys.narrow(2, end, t).copy_(key, True)  # non_blocking (positional: a keyword costs a parse per call)
+        self.values.narrow(2, end, t).copy_(value, True)
+        self.end = end + t
 
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` held tokens in all: the next allocation (now, when tokens are held)
@@ -147,26 +137,36 @@ class Buffer:
 
     def gather(self, index: torch.Tensor) -> None:
         """Batch rows ``index`` (beam reorder, select, repeat-interleave), into fresh memory."""
-        if self.keys is None:  # nothing held (a window of 1 keeps no token): the batch still changes
-            if self.spec is not None:
-                self.spec = self.spec.with_batch(index.numel())
-            return
-        index = index.to(self.keys.device)
-        held = len(self)
-        k, v = self.view()
-        new_k = self._alloc(index.numel(), self.capacity, self.spec.key_dim)
-        new_v = self._alloc(index.numel(), self.capacity, self.spec.value_dim)
-        new_k[:, :, : len(self)].copy_(k.index_select(0, index))
-        new_v[:, :, : len(self)].copy_(v.index_select(0, index))
-        self._replace(new_k, new_v)
-        self.start, self.end = 0, held
-        self.spec = self.spec.with_batch(index.numel())
+        if self.keys is not None:  # (nothing held, a window of 1 keeping no token: the batch still changes)
+            index = index.to(self.keys.device)
+            held = len(self)
+            k, v = self.view()
+            new_k = self._alloc(index.numel(), self.capacity, self.spec.key_dim)
+            new_v = self._alloc(index.numel(), self.capacity, self.spec.value_dim)
+            new_k[:, :, :held].copy_(k.index_select(0, index))
+            new_v[:, :, :held].copy_(v.index_select(0, index))
+            self._replace(new_k, new_v)
+            self.start, self.end = 0, held
+        if self.spec is not None:
+            self.spec = self.spec.with_batch(index.numel())
 
     def clear(self) -> None:
         self._replace(None, None)
         self.spec = None
 
     # -- internals ----------------------------------------------------------------------------
+    def _make_room(self, key: torch.Tensor, value: torch.Tensor, more: int) -> None:
+        """Regrow for ``more`` tokens after the held ones; a first write learns the spec first."""
+        first = self.spec is None
+        if first:
+            self.spec = KVSpec.read(key, value)  # (checked by the caller: tiercache.layers.validate)
+        try:
+            self._regrow(len(self) + more)
+        except Exception:
+            if first:  # a refused first write leaves the buffer as new (free to take another shape)
+                self.spec = None
+            raise
+
     def _alloc(self, batch: int, capacity: int, dim: int) -> torch.Tensor:
         s = self.spec
         return self.tier.empty((batch, s.heads, capacity, dim), s.dtype, s.device)
@@ -189,7 +189,7 @@ class Buffer:
                 k, v = self.view()
                 new_k[:, :, :held].copy_(k)
                 new_v[:, :, :held].copy_(v)
-                regrowth.record(self.tier.kind, k.numel() * k.element_size() + v.numel() * v.element_size())
+                regrowth.record(self.tier.kind, nbytes_of(k, v))
             self._replace(new_k, new_v)
         self.start, self.end = 0, held
 
@@ -201,3 +201,36 @@ class Buffer:
                 self.tier.free(t)
         if keys is None:
             self.start = self.end = 0
+
+
+class BufferedLayer(KVLayer):
+    """A storage layer over one ``Buffer`` (``self.buffer``: ``full``, ``sliding``): the answers
+    that come from the buffer alone. A subclass writes, crops and keeps its own counts."""
+
+    buffer: Buffer
+
+    def layout(self):
+        return self.buffer.spec
+
+    def gather(self, index: torch.Tensor) -> None:
+        if self.buffer.spec is not None:
+            self.buffer.gather(index)
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.buffer.view() if self.buffer.spec is not None and len(self.buffer) else None
+
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.buffer.peek()
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.buffer.spec is not None
+
+    def nbytes(self) -> dict[str, int]:
+        return self.buffer.nbytes()
+
+    def tier_nbytes(self) -> dict[str, int]:
+        return self.buffer.tier_nbytes()
+
+    def batch_size(self) -> int | None:
+        return None if self.buffer.spec is None else self.buffer.spec.batch

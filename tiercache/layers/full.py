@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from tiercache.layers.base import KVLayer, check_crop
-from tiercache.layers.buffer import CHUNK, Buffer
+from tiercache.layers.base import check_crop
+from tiercache.layers.buffer import CHUNK, Buffer, BufferedLayer
 from tiercache.layers.state import check_ingest, expect, nest, part
 from tiercache.layers.tiers import ComputeTier
 
 
-class FullLayer(KVLayer):
+class FullLayer(BufferedLayer):
     def __init__(self, tier=None, chunk: int = CHUNK, geometric: bool = True):
         # chunk: capacity unit (tokens); geometric: regrow on capacity.grown_capacity's ladder
         self.buffer = Buffer(tier or ComputeTier(), chunk, geometric)
@@ -18,9 +18,6 @@ class FullLayer(KVLayer):
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.buffer.append(key, value)
         return self.buffer.view()  # [B, H, S, D] views
-
-    def layout(self):
-        return self.buffer.spec
 
     def seq_length(self) -> int:
         return len(self.buffer)
@@ -30,10 +27,6 @@ class FullLayer(KVLayer):
 
     def crop(self, n: int) -> None:
         self.buffer.truncate(check_crop(n, self.seq_length()))
-
-    def gather(self, index: torch.Tensor) -> None:
-        if self.buffer.spec is not None:
-            self.buffer.gather(index)
 
     def reserve(self, tokens: int) -> None:
         self.buffer.reserve(tokens)
@@ -45,25 +38,6 @@ class FullLayer(KVLayer):
     def close(self) -> None:
         self.buffer.clear()
         self.buffer.tier.close()
-
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.buffer.view() if self.buffer.spec is not None and len(self.buffer) else None
-
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.buffer.peek()
-
-    @property
-    def is_initialized(self) -> bool:
-        return self.buffer.spec is not None
-
-    def nbytes(self) -> dict[str, int]:
-        return self.buffer.nbytes()
-
-    def tier_nbytes(self) -> dict[str, int]:
-        return self.buffer.tier_nbytes()
-
-    def batch_size(self) -> int | None:
-        return None if self.buffer.spec is None else self.buffer.spec.batch
 
     def state_dict(self) -> dict:
         return {"kind": "full", **nest("buffer.", self.buffer.state_dict())}

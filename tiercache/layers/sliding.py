@@ -20,15 +20,15 @@ from __future__ import annotations
 import torch
 
 from tiercache.errors import CacheError
-from tiercache.layers.base import KVLayer, check_crop
-from tiercache.layers.buffer import CHUNK, Buffer
+from tiercache.layers.base import check_crop
+from tiercache.layers.buffer import CHUNK, Buffer, BufferedLayer
 from tiercache.layers.capacity import long_update, sliding_slack
 from tiercache.layers.spec import KVSpec
 from tiercache.layers.state import check_ingest, expect, field, nest, part
 from tiercache.layers.tiers import ComputeTier
 
 
-class SlidingLayer(KVLayer):
+class SlidingLayer(BufferedLayer):
     is_sliding = True
 
     def __init__(self, window: int, tier=None, chunk: int = CHUNK):
@@ -65,9 +65,6 @@ class SlidingLayer(KVLayer):
             buf.drop_front(n - keep)
         return out
 
-    def layout(self):
-        return self.buffer.spec
-
     def seq_length(self) -> int:
         return self.seen
 
@@ -103,10 +100,6 @@ class SlidingLayer(KVLayer):
         self.seen -= n
         self._trim(always=True)  # a crop ends a recorded step: back to the working size
 
-    def gather(self, index: torch.Tensor) -> None:
-        if self.buffer.spec is not None:
-            self.buffer.gather(index)
-
     def reset(self) -> None:
         self.buffer.clear()
         self.seen = 0
@@ -114,25 +107,6 @@ class SlidingLayer(KVLayer):
     def close(self) -> None:
         self.reset()
         self.buffer.tier.close()
-
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.buffer.view() if self.buffer.spec is not None and len(self.buffer) else None
-
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.buffer.peek()
-
-    @property
-    def is_initialized(self) -> bool:
-        return self.buffer.spec is not None
-
-    def nbytes(self) -> dict[str, int]:
-        return self.buffer.nbytes()
-
-    def tier_nbytes(self) -> dict[str, int]:
-        return self.buffer.tier_nbytes()
-
-    def batch_size(self) -> int | None:
-        return None if self.buffer.spec is None else self.buffer.spec.batch
 
     def state_dict(self) -> dict:
         return {"kind": "sliding", "window": self.window, "seen": self.seen, "recording": self.recording,
@@ -153,7 +127,6 @@ class SlidingLayer(KVLayer):
         at = key.shape[2] - keep
         self.buffer.ingest(key.narrow(2, at, keep), value.narrow(2, at, keep), spec, slack=self.slack)
         self.seen = seen
-
 
     def _trim(self, always: bool = False) -> None:
         extra = len(self.buffer) - (self.window - 1)

@@ -46,9 +46,12 @@ class KVSpec:
     def takes(self, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Whether ``key`` / ``value`` are a well-formed pair of exactly this layout: a decode step's
         fast check, False for anything else (``check_update`` then says what is wrong, if anything)."""
-        if type(key) is not torch.Tensor or type(value) is not torch.Tensor or key.dim() != 4 or value.dim() != 4:
+        if type(key) is not torch.Tensor or type(value) is not torch.Tensor:
             return False
-        (b, h, t, dk), (vb, vh, vt, dv) = key.shape, value.shape
+        try:
+            (b, h, t, dk), (vb, vh, vt, dv) = key.shape, value.shape
+        except ValueError:  # not rank 4
+            return False
         return (b == vb == self.batch and h == vh == self.heads and t == vt and dk == self.key_dim
                 and dv == self.value_dim and key.dtype == value.dtype == self.dtype
                 and key.device == value.device == self.device)

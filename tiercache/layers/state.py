@@ -89,13 +89,6 @@ def held_pair(sd: dict, spec: KVSpec, tokens: int, kind: str) -> tuple[torch.Ten
     return k, v
 
 
-def empty_pair(spec: KVSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-token K/V of ``spec`` (what an empty but shaped layer exports)."""
-    s = spec
-    return (torch.empty((s.batch, s.heads, 0, s.key_dim), dtype=s.dtype, device=s.device),
-            torch.empty((s.batch, s.heads, 0, s.value_dim), dtype=s.dtype, device=s.device))
-
-
 def check_ingest(key, value, seen, kind: str, whole: bool) -> KVSpec:
     """The spec of an ingest's ``key``/``value`` (``[B, H, S, D]``, the newest ``S`` of ``seen``)."""
     spec = KVSpec.of(key, value)

@@ -31,7 +31,8 @@ from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer, check_crop
 from tiercache.layers.spec import KVSpec
 from tiercache.layers.state import check_ingest, expect, field, held_pair, spec_from, spec_state
-from tiercache.layers.tiers import ComputeTier
+from tiercache.layers.allowance import size_of
+from tiercache.layers.tiers import ComputeTier, nbytes_of
 
 
 def mark_static(*tensors: torch.Tensor) -> None:
@@ -153,7 +154,7 @@ class StaticLayer(KVLayer):
     def nbytes(self) -> dict[str, int]:
         if self.spec is None:
             return {}
-        return {self.tier.place(self.spec.device): sum(t.numel() * t.element_size() for t in self._buffers())}
+        return {self.tier.place(self.spec.device): nbytes_of(*self._buffers())}
 
     def tier_nbytes(self) -> dict[str, int]:
         return {self.tier.kind: n for n in self.nbytes().values()}
@@ -223,7 +224,7 @@ class StaticLayer(KVLayer):
             for buf in bufs:
                 self.tier.free(buf)
             if isinstance(e, RuntimeError):  # out of memory (torch.OutOfMemoryError is one), too large
-                size = sum(torch.Size(shape).numel() * torch.empty((), dtype=d).element_size() for shape, d in self._shapes(s))
+                size = sum(size_of(shape, d) for shape, d in self._shapes(s))
                 raise CacheError(
                     f"{self.kind} storage: cannot allocate max_length={self.limit} tokens ({size} bytes for batch "
                     f"{s.batch}, {s.heads} kv heads) on {s.device}: {str(e).splitlines()[0]}; lower max_length "

@@ -9,6 +9,8 @@ Interface (tiny on purpose)
     free(tensor)                             the tier may release what backs ``tensor`` (files)
     close()                                  release everything for good
 
+Accounting helpers: ``place_of(device)``, ``nbytes_of(*tensors)``, ``summed(dicts)``, ``by_place(tensors)``.
+
 ``ComputeTier`` allocates beside the model (its device comes from the first update).
 ``HostTier`` keeps tensors in CPU memory, pinned when the device runtime
 (``tiercache.runtime``: CUDA, or the simulated device) has pinned memory and it is asked for.
@@ -27,6 +29,25 @@ from tiercache.layers import allowance
 def place_of(device: torch.device | str) -> str:
     """A stable name for a device: ``cpu``, ``cuda:0`` ..."""
     return str(runtime.canonical_device(device))
+
+
+def nbytes_of(*tensors: torch.Tensor) -> int:
+    """Bytes of the tensors' elements."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def summed(parts) -> dict[str, int]:
+    """Dicts of bytes added key by key."""
+    total: dict[str, int] = {}
+    for part in parts:
+        for key, n in part.items():
+            total[key] = total.get(key, 0) + n
+    return total
+
+
+def by_place(tensors) -> dict[str, int]:
+    """Bytes of tensors by where they lie (``place_of``)."""
+    return summed({place_of(t.device): nbytes_of(t)} for t in tensors)
 
 
 class ComputeTier:

@@ -1,6 +1,6 @@
 """An update is validated once: the one check of ``update(key, value)`` input, before any layer changes.
 
-    check_update(layer, key, value, model=False)
+    check_update(layer, key, value, model=False, room=True)
         ``CacheError`` saying what was wrong and what is allowed, unless ``layer`` takes the pair:
         - the pair: two ``torch.Tensor`` of rank 4 ``[B, H, T, D]`` that agree on batch, heads,
           tokens, dtype and device (``check_pair``); ``model=True`` (the cache): floating point
@@ -11,7 +11,8 @@
           layer not yet bound to a compute device; devices compare in their canonical form,
           ``runtime.canonical_device``: a layout on ``cuda`` takes tensors on ``cuda:0``);
         - the room: a bounded layer that does not slide (static storage, quantized or not,
-          offloaded or not: ``max_length() > 0``) must have room for ``T`` more tokens.
+          offloaded or not: ``max_length() > 0``) must have room for ``T`` more tokens
+          (``room=False``: the caller knows the layer is not bounded; the cache's table says it).
     check_layer_index(layer_idx, n, model_name)
         The cache's: ``layer_idx`` is an int in ``0..n-1`` (``n`` layers built for ``model_name``).
     check_room(layers, t)
@@ -54,10 +55,12 @@ _FIELDS = (
 )
 
 
-def check_update(layer, key: torch.Tensor, value: torch.Tensor, model: bool = False) -> None:
+def check_update(layer, key: torch.Tensor, value: torch.Tensor, model: bool = False, room: bool = True) -> None:
     held = layer.layout()
-    if held is not None and held.takes(key, value) and (not model or key.is_floating_point()):
-        return check_room({None: layer}, key.shape[2])  # the decode step's path: the layout it holds
+    if held is not None and (not model or held.dtype.is_floating_point) and held.takes(key, value):
+        if room:  # the decode step's path: the layout it holds
+            check_room({None: layer}, key.shape[2])
+        return
     if model:
         for name, t in (("key_states", key), ("value_states", value)):
             if isinstance(t, torch.Tensor) and not t.is_floating_point():
@@ -71,7 +74,8 @@ def check_update(layer, key: torch.Tensor, value: torch.Tensor, model: bool = Fa
                 if field == "device" and canonical_device(want) == got.device:
                     continue
                 raise CacheError(f"{what}: the layer holds {want}, the update has {getattr(got, field)}")
-    check_room({None: layer}, key.shape[2])
+    if room:
+        check_room({None: layer}, key.shape[2])
 
 
 def check_layer_index(layer_idx, n: int, model_name: str) -> None:

@@ -17,6 +17,7 @@ directory again. ``nbytes`` places these bytes under ``"disk"``.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -26,10 +27,6 @@ import torch
 
 from tiercache.errors import CacheError
 from tiercache.layers import allowance
-
-
-def _remove_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def reserve(fd: int, nbytes: int) -> None:
@@ -48,10 +45,7 @@ class DiskTier:
         self._finalizer: weakref.finalize | None = None
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        numel, nbytes = math.prod(int(s) for s in shape), allowance.size_of(shape, dtype)
         allowance.charge(shape, dtype)  # a bounded load: refused before any file is made
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
@@ -102,7 +96,7 @@ class DiskTier:
         if self.dir is None:
             os.makedirs(self.root, exist_ok=True)
             self.dir = tempfile.mkdtemp(prefix=f"tiercache-{self.label}-", dir=self.root)
-            self._finalizer = weakref.finalize(self, _remove_dir, self.dir)  # also runs at exit
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)  # ignore_errors; also runs at exit
         elif not os.path.isdir(self.dir):  # removed under us (a temp cleaner): make it again
             os.makedirs(self.dir, exist_ok=True)
         return self.dir

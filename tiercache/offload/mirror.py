@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from tiercache.layers.capacity import grown_capacity
+from tiercache.layers.tiers import nbytes_of
 
 
 def mirror_capacity(need: int, floor: int = 0) -> int:
@@ -74,10 +75,6 @@ def layout_bytes(k: torch.Tensor, v: torch.Tensor, cap: int) -> int:
     """Bytes of a mirror of ``cap`` tokens for keys like ``k`` and values like ``v``."""
     b, h = k.shape[:2]
     return b * h * cap * (k.shape[3] + v.shape[3]) * k.element_size()
-
-
-def nbytes_of(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 @dataclass(frozen=True)
@@ -133,7 +130,7 @@ class Mirror:
             return 0
         hk, hv, cap = p.k, p.v, p.cap
         b, h, s = hk.shape[:3]
-        self.k, self.v = self.slot.views([(b, h, cap, hk.shape[3]), (b, h, cap, hv.shape[3])], hk.dtype)
+        self._lay_out(cap, hk, hv)
         moved = 0  # bytes that cross the bus: a flat span also carries the free slack between rows
         for dst, src in ((self.k, hk), (self.v, hv)):
             if p.flat:  # one contiguous span: rows of `cap` tokens, the last one cut at `s`
@@ -147,7 +144,7 @@ class Mirror:
             t = ek.shape[2]
             self.k[:, :, s : s + t].copy_(ek, non_blocking=True)
             self.v[:, :, s : s + t].copy_(ev, non_blocking=True)
-            moved += nbytes_of(ek) + nbytes_of(ev)
+            moved += nbytes_of(ek, ev)
             s += t
         if self.pad:
             for dst in (self.k, self.v):
@@ -170,9 +167,7 @@ class Mirror:
     def relayout(self, cap: int, key: torch.Tensor, value: torch.Tensor, old) -> None:
         """Lay the mirror out anew over the slot's bytes for ``cap`` tokens like ``key`` /
         ``value``, then copy ``old`` (the held tokens, in other memory) to its front."""
-        b, h = key.shape[:2]
-        shapes = [(b, h, cap, key.shape[3]), (b, h, cap, value.shape[3])]
-        self.k, self.v = self.slot.views(shapes, key.dtype)
+        self._lay_out(cap, key, value)
         if self.pad:
             self.k.zero_()
             self.v.zero_()
@@ -180,6 +175,11 @@ class Mirror:
             self.k[:, :, : self.held].copy_(old[0])
             self.v[:, :, : self.held].copy_(old[1])
         self.lo = 0
+
+    def _lay_out(self, cap: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """``k`` / ``v`` over the slot's bytes: ``cap`` tokens like ``key`` / ``value``."""
+        b, h = key.shape[:2]
+        self.k, self.v = self.slot.views([(b, h, cap, key.shape[3]), (b, h, cap, value.shape[3])], key.dtype)
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Write the new tokens after the held ones (device to device); room was reserved."""

@@ -68,7 +68,8 @@ import torch
 from tiercache import runtime
 from tiercache.errors import CacheError
 from tiercache.layers import regrowth
-from tiercache.layers.tiers import place_of
+from tiercache.layers.allowance import size_of
+from tiercache.layers.tiers import by_place, nbytes_of
 from tiercache.offload.mirror import Mirror, layout_bytes, mirror_capacity, plan
 
 ALIGN = 2 << 20  # slot bytes grow in 2 MiB steps
@@ -91,11 +92,8 @@ class Slot:
     def views(self, shapes, dtype: torch.dtype) -> list[torch.Tensor]:
         """Typed views laid end to end over the slot's bytes, one per shape."""
         out, offset = [], 0
-        size = torch.empty((), dtype=dtype).element_size()
         for shape in shapes:
-            n = size
-            for s in shape:
-                n *= s
+            n = size_of(shape, dtype)
             out.append(self.data[offset : offset + n].view(dtype).view(shape))
             offset += n
         return out
@@ -146,12 +144,8 @@ class Prefetcher:
         self.current = layer.key
         self._wait(mirror.slot)
         for nxt in wanted[1:]:
-            if nxt.key not in self.mirrors:
-                try:
-                    self._fetch(nxt, 1)
-                except CacheError:
-                    self.skipped_fetches += 1
-                    break  # fetching ahead is optional: that layer is fetched (or reports) when used
+            if nxt.key not in self.mirrors and not self._fetch_ahead(nxt):
+                break
         return mirror
 
     def mirror(self, layer) -> Mirror | None:
@@ -161,10 +155,7 @@ class Prefetcher:
     def prefetch(self, layer) -> None:
         """Start fetching ``layer`` ahead of use, if a slot is free (never evicts)."""
         if layer.key not in self.mirrors and any(s.owner is None for s in self.slots):
-            try:
-                self._fetch(layer, 1)
-            except CacheError:
-                self.skipped_fetches += 1  # optional, as above
+            self._fetch_ahead(layer)
 
     def evict(self, layer) -> None:
         """Forget the layer's mirror (no wait: see "Safety")."""
@@ -195,7 +186,7 @@ class Prefetcher:
             slot.home = home
         mirror.relayout(cap, key, value, old)
         if old is not None:
-            regrowth.record("device", sum(t.numel() * t.element_size() for t in old))
+            regrowth.record("device", nbytes_of(*old))
 
     def stats(self) -> dict[str, int]:
         """The counters (see the module docstring), by name."""
@@ -215,12 +206,7 @@ class Prefetcher:
 
     # -- accounting and lifetime ------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for slot in self.slots:
-            if slot.data is not None:
-                place = place_of(slot.data.device)
-                out[place] = out.get(place, 0) + slot.nbytes()
-        return out
+        return by_place(slot.data for slot in self.slots if slot.data is not None)
 
     def close(self) -> None:
         for slot in self.slots:
@@ -248,6 +234,16 @@ class Prefetcher:
             rt = runtime.current()
             slot.release = rt.event()
             slot.release.record(rt.current_stream(slot.home))
+
+    def _fetch_ahead(self, layer) -> bool:
+        """Fetch ``layer`` ahead of its use; False (counted) when no device memory: fetching ahead
+        is optional, that layer is fetched (or reports) when used."""
+        try:
+            self._fetch(layer, 1)
+            return True
+        except CacheError:
+            self.skipped_fetches += 1
+            return False
 
     def _fetch(self, layer, room: int) -> None:
         slot = next((s for s in self.slots if s.owner is None), None) or Slot()

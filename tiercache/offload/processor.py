@@ -75,9 +75,9 @@ from tiercache.layers.base import KVLayer
 from tiercache.layers.delegating import Delegating
 from tiercache.layers.spec import KVSpec, check_pair
 from tiercache.layers.state import expect, nest, part
-from tiercache.layers.tiers import HostTier
+from tiercache.layers.tiers import HostTier, nbytes_of
 from tiercache.offload import writeback
-from tiercache.offload.mirror import mirror_capacity, nbytes_of, row_stride
+from tiercache.offload.mirror import mirror_capacity, row_stride
 from tiercache.offload.prefetch import Prefetcher
 from tiercache.policy.schema import OffloadPolicy
 
@@ -135,7 +135,7 @@ class Offload(Delegating):
             host_k, host_v = writeback.to_host(key, value)  # [B, H, T, D] on the CPU
             out = self.inner.append(host_k, host_v)  # may still raise (disk full): the mirror holds the same tokens
             shown = out[0].shape[2]
-        self.prefetcher.count_d2h(nbytes_of(key) + nbytes_of(value))
+        self.prefetcher.count_d2h(nbytes_of(key, value))
         mirror.append(key, value)
         result = mirror.shown(shown)  # the inner's answer, on the device
         if not defer:
@@ -168,7 +168,7 @@ class Offload(Delegating):
         except CacheError:
             self.prefetcher.evict(self)  # the host copy is as it was; the next use fetches it again
             raise
-        self.prefetcher.count_d2h(nbytes_of(key) + nbytes_of(value))
+        self.prefetcher.count_d2h(nbytes_of(key, value))
         kept = self.inner.kv()
         n = 0 if kept is None else kept[0].shape[2]
         mirror.append(k[:, :, k.shape[2] - n:], v[:, :, v.shape[2] - n:])
@@ -184,11 +184,11 @@ class Offload(Delegating):
         return None if spec is None else dataclasses.replace(spec, device=self.device)
 
     def seq_length(self) -> int:
-        return self.inner.seq_length() + writeback.staged_tokens(self)
+        return self.inner.seq_length() + self.staged.tokens()
 
     def mask_sizes(self, query_length: int) -> tuple[int, int]:
         kv_length, offset = self.inner.mask_sizes(query_length)
-        return kv_length + writeback.staged_tokens(self), offset  # staged only on full / static storage: no window offset
+        return kv_length + self.staged.tokens(), offset  # staged only on full / static storage: no window offset
 
     def validate_crop(self, n: int) -> None:
         self._settle()
@@ -197,7 +197,8 @@ class Offload(Delegating):
     def changing(self) -> None:
         """Host-side operations (crop, gather, set_recording, evict: ``Delegating``): pending write-backs
         join the host copy, the mirror is dropped, then the host layer changes; the next use fetches it again."""
-        self._release_mirror()
+        self._settle()
+        self.prefetcher.evict(self)  # drops the mirror (a fetch in flight fills it for nobody)
 
     def reset(self) -> None:
         self.staged.clear()  # pending write-backs (or a failed one) are of no use: the layer empties
@@ -241,11 +242,8 @@ class Offload(Delegating):
         return self.inner.tier_nbytes()
 
     def batch_size(self) -> int | None:
-        batch = self.inner.batch_size()
-        first = self.staged.first()
-        if batch is None and first is not None:  # a staged first update counts (as in is_initialized)
-            batch = first[0].shape[0]
-        return batch
+        spec = self.layout()  # a staged first update counts (as in is_initialized)
+        return None if spec is None else spec.batch
 
     # -- lifecycle: the host copy is the state; the mirror is never part of it ------------------
     # Each method settles pending write-backs first: the host copy must hold every token before
@@ -340,17 +338,13 @@ class Offload(Delegating):
         self.home = runtime.current().device_of(key)
 
     def _settle(self, block: bool = True) -> None:
-        writeback.settle(self, block)
+        self.staged.settle(self.inner, block)
 
     def _settle_unless_failed(self) -> None:
         """Settle, unless a write-back already failed: then ``nbytes()`` still counts what is held
         (the failure is reported by the layer's use), and a replacing state may take its place."""
         if self.staged.failed is None:
             self._settle()
-
-    def _release_mirror(self) -> None:
-        self._settle()
-        self.prefetcher.evict(self)  # drops the mirror (a fetch in flight fills it for nobody)
 
     def _before_replace(self) -> None:
         """Before the host copy is replaced (``ingest``, ``load_state_dict``, ``adopt``): pending

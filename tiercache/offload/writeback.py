@@ -5,11 +5,10 @@ Interface (used by ``tiercache.offload.processor.Offload``; ``layer`` is the Off
     defers(layer, key) -> bool                  whether this update's write-back is staged
     staging(key, value) -> [host_k, host_v]     pinned host tensors for a staged write-back
     write_back(layer, key, value, host_k, host_v)   enqueue the staged copy (no host sync)
-    staged_tokens(layer) -> int                 tokens staged, not yet in the host layer
-    settle(layer, block=True)                   join the write-backs to the host layer (``block``: waiting
-                                                for those in flight; else only the landed ones)
     Staged(prefetcher, index)                   the layer's queue of staged write-backs (``layer.staged``):
-        push(host_k, host_v, done), len(), tokens(), first(), pending(), settle(inner, block), clear(), failed
+        push(host_k, host_v, done), len(), tokens() (staged, not yet in the host layer), first(),
+        pending(), settle(inner, block) (join them to the host layer ``inner``; ``block``: waiting
+        for those in flight, else only the landed ones), clear(), failed
 The module reads the layer (``deferred``, ``prefetcher``, ``inner``, ``staged``) and changes
 only its ``Staged`` queue, through the queue's methods.
 
@@ -59,11 +58,9 @@ def to_host(key: torch.Tensor, value: torch.Tensor):
     home = rt.device_of(key)
     if home is None:
         return key, value
-    out = []
-    for t in (key, value):
-        host = rt.pinned_empty(t.shape, t.dtype)
+    out = staging(key, value)
+    for host, t in zip(out, (key, value)):
         host.copy_(t, non_blocking=True)
-        out.append(host)
     done = rt.event()
     done.record(rt.current_stream(home))
     done.synchronize()
@@ -95,16 +92,6 @@ def write_back(layer, key, value, host_k, host_v) -> None:
     done = rt.event()
     done.record(stream)
     layer.staged.push(host_k, host_v, done)
-
-
-def staged_tokens(layer) -> int:
-    return layer.staged.tokens()
-
-
-def settle(layer, block: bool = True) -> None:
-    """Append the landed write-backs to the host layer; ``block``: all of them, waiting for one still
-    in flight (counted in ``host_waits``), else only those landed already (never a wait)."""
-    layer.staged.settle(layer.inner, block)
 
 
 class Staged:
@@ -145,7 +132,8 @@ class Staged:
 
     def settle(self, inner, block: bool = True) -> None:
         """Append the landed pairs to ``inner`` (the host layer), oldest first; ``block``: every
-        pair, waiting for those in flight; else stop at the first one in flight."""
+        pair, waiting for those in flight (counted in ``host_waits``); else stop at the first one
+        in flight (never a wait)."""
         if self.failed is not None:
             raise CacheError(self.failed)
         while self.pairs:
