@@ -128,10 +128,7 @@ class NoAttention(KVLayer):
     def reset(self) -> None:
         """Nothing held."""
 
-    def kv(self):
-        return None
-
-    def peek(self):
+    def kv(self, fetch: bool = False):
         return None
 
     def nbytes(self) -> dict[str, int]:

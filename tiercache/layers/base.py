@@ -33,17 +33,18 @@ Required
         no-ops on a layer never written). A layer with nothing held just takes the new batch.
     reset()
         Drop everything; the layer is as new (it may re-learn shape, dtype and device).
-    kv() -> (keys, values) | None
-        What the layer holds now, ``[B, H, S, D]`` views, or None when empty. Processors read
-        the layer they wrap through this (never through its attributes). It may prepare the
-        layer for use (an offloaded layer fetches itself to the compute device).
-    peek() -> (keys, values) | None
-        The same tokens as ``kv()`` with no side effect at all (no fetch, no eviction, no shared
-        buffer touched): None before the first update (and after ``reset``), else ``[B, H, S, D]``
-        with ``S`` possibly 0. Views of the layer's own memory for storage layers, fresh tensors
-        for processors (dequantized; copied from the host tier to the compute device).
-        ``keys`` / ``values`` (read-only properties, transformers' layer attributes) are built
-        on it here, once, for every layer.
+    kv(fetch=False) -> (keys, values) | None
+        The one read path: what the layer holds, ``[B, H, S, D]`` at full precision on the compute
+        device, oldest first; None while it holds no token (before the first update, after
+        ``reset``, cropped empty). Views of the layer's own memory for storage layers, fresh
+        tensors for processors (dequantized; copied from the host tier). Processors read the layer
+        they wrap through it (never through its attributes); ``keys`` / ``values``, ``export`` and
+        ``is_initialized`` are built on it here, once, for every layer.
+        No side effect by default (nothing fetched, evicted or written). ``fetch=True`` is the read
+        of a layer about to be used (a processor's hot path): an offloaded layer answers from its
+        device mirror (acquired from the prefetcher's pool, which may evict another layer's slot,
+        and starts the next prefetch; views valid until the next call on the cache), and a
+        quantized layer's codecs keep views of the rows for its next step.
     nbytes() -> dict[place, int]
         Bytes held now, per place (``"cpu"``, ``"cuda:0"``, ``"disk"``): allocated, not logical.
     tier_nbytes() -> dict[tier, int]
@@ -66,7 +67,7 @@ Lifecycle (what save / load / fork / retier are made of)
         What the layer holds at full precision, ``[B, H, S, D]`` on the compute device (the
         newest ``S`` of ``seen`` tokens; quantized blocks dequantized into fresh tensors, other
         layers may return views), None before the first update. No side effect. The default is
-        ``peek()`` with ``seq_length()``.
+        ``kv()`` with ``seq_length()``.
     ingest(keys, values, seen)
         Bulk load, not an attention step: afterwards the layer holds what it would hold had it
         been fed ``seen`` tokens ending with these (a sliding layer keeps its window and its
@@ -182,10 +183,15 @@ class KVLayer(Lifecycle):
     def reset(self) -> None: ...
 
     @abstractmethod
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
-    @abstractmethod
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def _kv_or_empty(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``kv()``, or the layout's zero-token pair when the layer holds none; None before the first update."""
+        held = self.kv()
+        if held is None:
+            spec = self.layout()
+            return None if spec is None else spec.empty()
+        return held
 
     @abstractmethod
     def nbytes(self) -> dict[str, int]: ...
@@ -199,15 +205,15 @@ class KVLayer(Lifecycle):
         layer returns a view of its memory (valid until the next call on the cache); a quantized
         layer dequantizes its whole history into fresh tensors on every read; an offloaded layer
         copies its host copy (or packed blocks) to the compute device on every read. Reading
-        ``keys`` and then ``values`` pays that twice: ``peek()`` returns both at once.
+        ``keys`` and then ``values`` pays that twice: ``kv()`` returns both at once.
         """
-        held = self.peek()
+        held = self._kv_or_empty()
         return None if held is None else held[0]
 
     @property
     def values(self) -> torch.Tensor | None:
         """The values the layer holds, ``[B, H, S, D]``: as ``keys`` (same cost, same rules)."""
-        held = self.peek()
+        held = self._kv_or_empty()
         return None if held is None else held[1]
 
     @abstractmethod
@@ -217,7 +223,7 @@ class KVLayer(Lifecycle):
     def batch_size(self) -> int | None: ...
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        held = self.peek()
+        held = self._kv_or_empty()
         return None if held is None else (*held, self.seq_length())
 
     def max_length(self) -> int:
@@ -229,8 +235,8 @@ class KVLayer(Lifecycle):
     @property
     def is_initialized(self) -> bool:
         """Whether the layer has had an update since it was built or reset (transformers' layer
-        attribute; read-only here). The default asks ``peek()``; layers answer it cheaply."""
-        return self.peek() is not None
+        attribute; read-only here): it has a layout."""
+        return self.layout() is not None
 
     def reserve(self, tokens: int) -> None:
         """Hook: room for ``tokens`` tokens in all, when the layer allocates next (a capacity hint)."""

@@ -55,12 +55,6 @@ class Buffer:
         a, b = self.start + lo, self.start + hi
         return self.keys.narrow(2, a, b - a), self.values.narrow(2, a, b - a)  # [B, H, hi-lo, D] (narrow: cheaper than [:, :, a:b])
 
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Views of every held token; None before the first append (or after ``clear``)."""
-        if self.spec is None:
-            return None
-        return self.spec.empty() if self.keys is None else self.view()  # [B, H, S, D]
-
     def nbytes(self) -> dict[str, int]:
         if self.keys is None:
             return {}

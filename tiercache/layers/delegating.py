@@ -57,11 +57,8 @@ class Delegating(KVLayer):
         self.changing()
         self.inner.reset()
 
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.inner.kv()
-
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.inner.peek()
+    def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.inner.kv(fetch)
 
     @property
     def is_initialized(self) -> bool:

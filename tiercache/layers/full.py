@@ -46,11 +46,8 @@ class FullLayer(KVLayer):
         self.buffer.clear()
         self.buffer.tier.close()
 
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.buffer.view() if self.buffer.spec is not None and len(self.buffer) else None
-
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.buffer.peek()
 
     @property
     def is_initialized(self) -> bool:

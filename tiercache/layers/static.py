@@ -136,13 +136,8 @@ class StaticLayer(KVLayer):
         self.reset()
         self.tier.close()
 
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.spec is None or not self.length:
-            return None
-        return self.peek()
-
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.spec is None:
             return None
         return self.k[:, :, : self.length], self.v[:, :, : self.length]  # [B, H, S, D] views
 

@@ -71,7 +71,7 @@ they leave the residual again (the only case a value is quantized twice). After 
 residual may hold fewer than ``r(n)`` tokens; the flush rule above applies from there. A crop
 of ``seq_length()`` tokens or more empties the layer (transformers' ``DynamicLayer``), even a
 sliding one whose window dropped blocks (the empty result is exact); ``keys`` / ``values``
-(``peek``) dequantize the whole history into fresh tensors on each read.
+(``kv``) dequantize the whole history into fresh tensors on each read.
 
 Attention sinks (``sink_tokens = N``, full-attention layers only: a sliding window slides them
 out): the first ``N`` tokens seen are kept apart in full precision, never quantized, and returned
@@ -221,29 +221,20 @@ class Quantize(KVLayer):
         self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
 
     @torch.no_grad()
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Fresh tensors (never the workspace): callers may keep them."""
-        self.finite.surface()
-        if self.spec is None or (not len(self.residual) and not len(self.sinks) and self._held_blocks() is None):
-            return None
-        return self._assemble(self._held_blocks(), None, None, workspace=False)
-
-    @torch.no_grad()
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole history dequantized into fresh tensors ``[B, H, S, D]`` on the compute device
-        (a sliding layer: the tokens a ``SlidingLayer`` keeps, the last ``window - 1`` plus those
-        recorded since the last crop); the store is read through its ``peek()``, so nothing is fetched, evicted or
-        written (not even the workspace or a codec's remembered views)."""
-        self.finite.surface()  # a landed non-finite flag refuses, as kv() does
+    def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole history dequantized into fresh tensors ``[B, H, S, D]`` on the compute device,
+        never the workspace: callers may keep them (a sliding layer: the tokens a ``SlidingLayer``
+        keeps, the last ``window - 1`` plus those recorded since the last crop). The store is read
+        with the same ``fetch``; only with it do the codecs keep views of the rows."""
+        self.finite.surface()  # a landed non-finite flag refuses
         if self.spec is None:
             return None
-        blocks = self.store.peek() if self.stored else None
-        k, v = self._assemble(blocks, None, None, workspace=False, remember=False)  # [B, H, S, D]
+        k, v = self._assemble(self._held_blocks(fetch), None, None, workspace=False, remember=fetch)  # [B, H, S, D]
         if self.window is not None:
             keep = min(self.window - 1, self.seen - self.recorded) + self.recorded
             if k.shape[2] > keep:
                 k, v = k[:, :, k.shape[2] - keep :], v[:, :, k.shape[2] - keep :]
-        return k, v
+        return (k, v) if k.shape[2] else None
 
     @property
     def is_initialized(self) -> bool:
@@ -321,10 +312,8 @@ class Quantize(KVLayer):
     def _codecs(self, spec: KVSpec) -> tuple[BlockCodec, BlockCodec]:
         return self.codec.for_kv(spec.key_dim, spec.value_dim, spec.dtype)
 
-    def _held_blocks(self):
-        if not self.stored:
-            return None
-        return self.store.kv()  # [B, H, N, row] each, or None
+    def _held_blocks(self, fetch: bool = True):
+        return self.store.kv(fetch) if self.stored else None  # [B, H, N, row] each, or None
 
     def _visible(self, blocks, held: int, fresh: int, visible: int | None):
         """(blocks, n, skip): the blocks that hold visible tokens, their count, and the leading
