@@ -134,12 +134,6 @@ class NoAttention(KVLayer):
     def nbytes(self) -> dict[str, int]:
         return {}
 
-    def tier_nbytes(self) -> dict[str, int]:
-        return {}
-
-    def batch_size(self) -> int | None:
-        return None
-
     def state_dict(self) -> dict:
         return {}
 

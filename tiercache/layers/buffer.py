@@ -61,10 +61,6 @@ class Buffer:
         size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
         return {self.tier.place(self.spec.device): size}
 
-    def tier_nbytes(self) -> dict[str, int]:
-        """``nbytes()`` keyed by tier kind (``device`` / ``host`` / ``disk``) instead of place."""
-        return {self.tier.kind: n for n in self.nbytes().values()}
-
     def held(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of every held token, zero-token tensors when none (needs a spec)."""
         return self.view() if self.keys is not None else empty_pair(self.spec)

@@ -60,18 +60,11 @@ class Delegating(KVLayer):
     def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.inner.kv(fetch)
 
-    @property
-    def is_initialized(self) -> bool:
-        return self.inner.is_initialized
-
     def nbytes(self) -> dict[str, int]:
         return self.inner.nbytes()
 
     def tier_nbytes(self) -> dict[str, int]:
         return self.inner.tier_nbytes()
-
-    def batch_size(self) -> int | None:
-        return self.inner.batch_size()
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

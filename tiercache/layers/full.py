@@ -14,6 +14,7 @@ class FullLayer(KVLayer):
     def __init__(self, tier=None, chunk: int = CHUNK, geometric: bool = True):
         # chunk: capacity unit (tokens); geometric: regrow on capacity.grown_capacity's ladder
         self.buffer = Buffer(tier or ComputeTier(), chunk, geometric)
+        self.tier = self.buffer.tier
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.buffer.append(key, value)
@@ -24,9 +25,6 @@ class FullLayer(KVLayer):
 
     def seq_length(self) -> int:
         return len(self.buffer)
-
-    def mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seq_length() + query_length, 0
 
     def crop(self, n: int) -> None:
         self.buffer.truncate(check_crop(n, self.seq_length()))
@@ -49,18 +47,8 @@ class FullLayer(KVLayer):
     def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.buffer.view() if self.buffer.spec is not None and len(self.buffer) else None
 
-    @property
-    def is_initialized(self) -> bool:
-        return self.buffer.spec is not None
-
     def nbytes(self) -> dict[str, int]:
         return self.buffer.nbytes()
-
-    def tier_nbytes(self) -> dict[str, int]:
-        return self.buffer.tier_nbytes()
-
-    def batch_size(self) -> int | None:
-        return None if self.buffer.spec is None else self.buffer.spec.batch
 
     def state_dict(self) -> dict:
         return {"kind": "full", **nest("buffer.", self.buffer.state_dict())}

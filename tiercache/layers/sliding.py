@@ -36,6 +36,7 @@ class SlidingLayer(KVLayer):
             raise CacheError(f"sliding window must be an int >= 1, got {window!r}")
         self.window = window
         self.buffer = Buffer(tier or ComputeTier(), chunk)  # chunk: capacity added at a time (tokens)
+        self.tier = self.buffer.tier
         self.seen = 0  # tokens seen, including those slid out
         self.recording = False
         self.slack = sliding_slack(window, chunk)  # tokens appended between two slides of the window
@@ -70,12 +71,6 @@ class SlidingLayer(KVLayer):
 
     def seq_length(self) -> int:
         return self.seen
-
-    def mask_sizes(self, query_length: int) -> tuple[int, int]:
-        offset = max(self.seen - self.window + 1, 0)
-        if self.seen >= self.window:
-            return self.window - 1 + query_length, offset
-        return self.seen + query_length, offset
 
     def max_length(self) -> int:
         return self.window
@@ -118,18 +113,8 @@ class SlidingLayer(KVLayer):
     def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.buffer.view() if self.buffer.spec is not None and len(self.buffer) else None
 
-    @property
-    def is_initialized(self) -> bool:
-        return self.buffer.spec is not None
-
     def nbytes(self) -> dict[str, int]:
         return self.buffer.nbytes()
-
-    def tier_nbytes(self) -> dict[str, int]:
-        return self.buffer.tier_nbytes()
-
-    def batch_size(self) -> int | None:
-        return None if self.buffer.spec is None else self.buffer.spec.batch
 
     def state_dict(self) -> dict:
         return {"kind": "sliding", "window": self.window, "seen": self.seen, "recording": self.recording,

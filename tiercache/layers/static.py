@@ -141,20 +141,10 @@ class StaticLayer(KVLayer):
             return None
         return self.k[:, :, : self.length], self.v[:, :, : self.length]  # [B, H, S, D] views
 
-    @property
-    def is_initialized(self) -> bool:
-        return self.spec is not None
-
     def nbytes(self) -> dict[str, int]:
         if self.spec is None:
             return {}
         return {self.tier.place(self.spec.device): sum(t.numel() * t.element_size() for t in self._buffers())}
-
-    def tier_nbytes(self) -> dict[str, int]:
-        return {self.tier.kind: n for n in self.nbytes().values()}
-
-    def batch_size(self) -> int | None:
-        return None if self.spec is None else self.spec.batch
 
     def state_dict(self) -> dict:
         if self.spec is None:

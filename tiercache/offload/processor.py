@@ -176,7 +176,8 @@ class Offload(Delegating):
         return k[:, :, k.shape[2] - shown:], v[:, :, v.shape[2] - shown:]
 
     def layout(self):
-        """The host layer's layout on the compute device (a staged first write-back counts)."""
+        """The host layer's layout on the compute device (a staged first write-back counts: so do
+        ``batch_size()`` and ``is_initialized``, derived from it)."""
         spec = self.inner.layout()
         first = self.staged.first()
         if spec is None and first is not None:
@@ -227,10 +228,6 @@ class Offload(Delegating):
         device = self.device if self.device is not None else held[0].device
         return held[0].to(device, copy=True), held[1].to(device, copy=True)  # [B, H, S, D]
 
-    @property
-    def is_initialized(self) -> bool:
-        return bool(self.staged) or self.inner.is_initialized  # a staged first update counts
-
     def nbytes(self) -> dict[str, int]:
         self._settle_unless_failed()
         return self.inner.nbytes()  # the device mirror is the prefetcher's (see module docstring)
@@ -238,13 +235,6 @@ class Offload(Delegating):
     def tier_nbytes(self) -> dict[str, int]:
         self._settle_unless_failed()
         return self.inner.tier_nbytes()
-
-    def batch_size(self) -> int | None:
-        batch = self.inner.batch_size()
-        first = self.staged.first()
-        if batch is None and first is not None:  # a staged first update counts (as in is_initialized)
-            batch = first[0].shape[0]
-        return batch
 
     # -- lifecycle: the host copy is the state; the mirror is never part of it ------------------
     # Each method settles pending write-backs first: the host copy must hold every token before

@@ -186,14 +186,6 @@ class Quantize(KVLayer):
     def seq_length(self) -> int:
         return self.seen
 
-    def mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.window is None:
-            return self.seen + query_length, 0
-        offset = max(self.seen - self.window + 1, 0)
-        if self.seen >= self.window:
-            return self.window - 1 + query_length, offset
-        return self.seen + query_length, offset
-
     def max_length(self) -> int:
         return self.window if self.window is not None else (self.limit if self.limit is not None else -1)
 
@@ -236,18 +228,11 @@ class Quantize(KVLayer):
                 k, v = k[:, :, k.shape[2] - keep :], v[:, :, k.shape[2] - keep :]
         return (k, v) if k.shape[2] else None
 
-    @property
-    def is_initialized(self) -> bool:
-        return self.spec is not None
-
     def tier_nbytes(self) -> dict[str, int]:
         out = dict(self.store.tier_nbytes())
         for size in (*self.residual.nbytes().values(), *self.sinks.nbytes().values()):
             out["device"] = out.get("device", 0) + size
         return out
-
-    def batch_size(self) -> int | None:
-        return None if self.spec is None else self.spec.batch
 
     # -- lifecycle (tiercache.quantize.state) ------------------------------------------
     def state_dict(self) -> dict:
