@@ -2,7 +2,7 @@
 
     Quantize(inner, codec, residual_length, sink_tokens=0, window=None, max_length=None, shared=None,
              packed_attention=False)
-        a KVLayer around ``inner``, like ``Offload(inner)``; ``packed_attention`` (with ``shared``):
+        a ``Delegating`` layer around ``inner``, like ``Offload(inner)``; ``packed_attention`` (with ``shared``):
         a decode step returns ``PackedKV`` and attention reads the codes (``quantize/packed_kv.py``)
 
 ``inner`` is the *store* (full / sliding / static, possibly offloaded), built by the chain
@@ -87,6 +87,7 @@ import torch
 
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer
+from tiercache.layers.delegating import Delegating
 from tiercache.layers.spec import KVSpec
 from tiercache.policy.schema import QuantizePolicy
 from tiercache.quantize import crop as quantize_crop, state as quantize_state
@@ -100,14 +101,13 @@ __all__ = ["Quantize", "flush_split", "PACKED_QUERIES"]
 PACKED_QUERIES = 16  # an update of at most this many tokens is a decode step (packed attention)
 
 
-class Quantize(KVLayer):
+class Quantize(Delegating):
     def __init__(self, inner: KVLayer, codec: Codec, residual_length: int, sink_tokens: int = 0,
                  window: int | None = None, max_length: int | None = None, shared=None, packed_attention: bool = False):
         self.codec = codec
         self.g, self.r, self.sink_tokens = codec.group_size, residual_length, sink_tokens
         self.window, self.limit = window, max_length
         self.shared = shared
-        self.is_sliding = window is not None
         if window is not None:
             if not isinstance(window, int) or window < 1:
                 raise CacheError(f"sliding window must be an int >= 1, got {window!r}")
@@ -122,7 +122,8 @@ class Quantize(KVLayer):
         if inner.max_length() != rows:
             raise CacheError(f"quantize: the store must hold {rows} blocks (-1: unbounded) for window={window}, "
                              f"max_length={max_length}, group_size={self.g}; got one of {inner.max_length()}")
-        self.store = inner  # one packed block per "token"
+        super().__init__(inner)  # the store: one packed block per "token"
+        self.is_sliding = window is not None
         self.residual = Residual()  # [B, H, r, D], r < max(R, G)
         self.sinks = Residual()  # [B, H, s, D], s <= N: the first tokens, exact
         self.n_sinks = kept_sinks(sink_tokens, window)
@@ -134,7 +135,12 @@ class Quantize(KVLayer):
         self.finite = FiniteGuard()  # refuses non-finite updates (quantize/finite.py)
         self.packed_attention = packed_attention and shared is not None  # decode steps return PackedKV
 
-    # -- the protocol ---------------------------------------------------------------------------
+    @property
+    def store(self) -> KVLayer:
+        """The wrapped layer (``inner``): it holds the packed blocks, one per "token"."""
+        return self.inner
+
+    # -- what it changes (prefetch, evict and ``recording`` are the store's: ``Delegating``) -------
     @torch.no_grad()
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec or KVSpec.read(key, value)  # layout and static room: checked once (layers/validate.py)
@@ -186,6 +192,11 @@ class Quantize(KVLayer):
     def seq_length(self) -> int:
         return self.seen
 
+    mask_sizes = KVLayer.mask_sizes  # in tokens, from seq_length (the store's counts blocks)
+
+    def reserve(self, tokens: int) -> None:
+        """The store grows by exactly the blocks of each flush (its bytes are the packed size)."""
+
     def max_length(self) -> int:
         return self.window if self.window is not None else (self.limit if self.limit is not None else -1)
 
@@ -207,6 +218,16 @@ class Quantize(KVLayer):
 
     def reset(self) -> None:
         self.store.reset()
+        self._empty()
+
+    def close(self) -> None:
+        """Release everything; the layer is empty afterwards (as after ``reset``)."""
+        self.store.close()
+        for codec in self.codecs or ():
+            codec.forget()
+        self._empty()
+
+    def _empty(self) -> None:
         self.residual.clear()
         self.finite.reset()
         self.sinks.clear()
@@ -269,30 +290,10 @@ class Quantize(KVLayer):
             out[place] = out.get(place, 0) + size
         return out
 
-    def prefetch(self) -> None:
-        self.store.prefetch()
-
-    def evict(self) -> None:
-        self.store.evict()
-
     def set_recording(self, on: bool) -> None:
         self.store.set_recording(on)
         if not on:
             self.recorded = 0
-
-    @property
-    def recording(self) -> bool:
-        return self.store.record_past
-
-    def close(self) -> None:
-        """Release everything; the layer is empty afterwards (as after ``reset``)."""
-        self.store.close()
-        self.residual.clear()
-        self.finite.reset()
-        self.sinks.clear()
-        for codec in self.codecs or ():
-            codec.forget()
-        self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
 
     def _codecs(self, spec: KVSpec) -> tuple[BlockCodec, BlockCodec]:
         return self.codec.for_kv(spec.key_dim, spec.value_dim, spec.dtype)
