@@ -92,7 +92,7 @@ def test_a_quantized_layer_is_dequantized_once_per_keys_values_read(name, reads,
     layer.update(k, -k)
     calls = []
     inner_kv = layer.inner.kv
-    monkeypatch.setattr(layer.inner, "kv", lambda: calls.append(1) or inner_kv())
+    monkeypatch.setattr(layer.inner, "kv", lambda fetch=False: calls.append(1) or inner_kv(fetch))
     keys, values = layer.keys, layer.values
     want = inner_kv()
     assert len(calls) == reads and torch.equal(keys, want[0]) and torch.equal(values, want[1])

@@ -43,9 +43,9 @@ def test_a_wrapper_answers_as_the_layer_it_wraps(make):
         op(ref), op(wrapped)
         assert wrapped.changes == before + 1
         assert ref.batch_size() == wrapped.batch_size() and ref.seq_length() == wrapped.seq_length()
-        assert all(torch.equal(a, b) for a, b in zip(ref.peek(), wrapped.peek()))
+        assert all(torch.equal(a, b) for a, b in zip(ref.kv(), wrapped.kv()))
     reads = wrapped.changes
-    wrapped.export(), wrapped.peek(), wrapped.nbytes(), wrapped.mask_sizes(1), wrapped.layout()
+    wrapped.export(), wrapped.kv(), wrapped.nbytes(), wrapped.mask_sizes(1), wrapped.layout()
     assert wrapped.changes == reads  # reads change nothing
     twin = Counting(make())
     twin.load_state_dict(wrapped.state_dict())

@@ -135,9 +135,9 @@ def test_an_update_is_checked_once_and_the_chain_trusts_it(name, monkeypatch):
     calls.clear()
     layer = cache.layers[1]
     h, dk, dv = cache.model.kv_shape(1)
-    before = [t.clone() for t in layer.peek()]
+    before = [t.clone() for t in layer.kv()]
     with pytest.raises(CacheError, match="dtype: the layer holds torch.float32"):
         layer.update(*pair(h, dk, dv, dtype=torch.float64))
-    assert all(torch.equal(a, b) for a, b in zip(before, layer.peek()))
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.kv()))
     layer.update(*pair(h, dk, dv))
     assert calls == ["layer", "layer"]

@@ -115,10 +115,10 @@ def test_replacing_the_host_copy_drops_nothing_into_the_new_state(deferred, op):
     cache.close()
 
 
-def test_peek_reads_every_staged_token(deferred):
+def test_kv_reads_every_staged_token(deferred):
     cache, ref = filled()
     for i, layer in enumerate(cache.layers):
-        k, v = layer.peek()
+        k, v = layer.kv()
         assert torch.equal(k, ref.layers[i].keys) and torch.equal(v, ref.layers[i].values)
         assert layer.is_initialized
     cache.close()

@@ -73,7 +73,7 @@ def decode(sim, path: Path):
     assert stats["host_waits"] - waits == 0, stats  # steady decoding never blocks on a write-back
     for i in range(spec.num_layers):  # every token reached the host copy
         with sim.device(device_of_layer(sim, i, spec.num_layers)):
-            a, b = off.layers[i].kv(), ref.layers[i].kv()
+            a, b = off.layers[i].kv(fetch=True), ref.layers[i].kv()
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert off.get_seq_length() == PREFILL + STEPS
     off.close()

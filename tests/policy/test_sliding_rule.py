@@ -98,7 +98,7 @@ def test_a_window_that_fits_in_the_residual_holds_every_token_exact(family):
     for mine, ref in zip(ours.layers, fp.layers):
         if ref.is_sliding:
             assert mine.policy.quantize is None
-            assert torch.equal(mine.peek()[0], ref.peek()[0]) and torch.equal(mine.peek()[1], ref.peek()[1])
+            assert torch.equal(mine.kv()[0], ref.kv()[0]) and torch.equal(mine.kv()[1], ref.kv()[1])
         else:
             assert mine.policy.quantize is not None  # full-attention layers are quantized as the policy says
 
@@ -112,7 +112,7 @@ def test_a_window_larger_than_the_residual_is_quantized_and_keeps_the_kivi_resid
     assert layer.policy.quantize is not None
     exact = len(layer.residual)  # KIVI: r(130) = 130 mod 16 = 2 newest tokens exact
     assert exact == 130 % 16
-    k, _ = layer.peek()
-    assert k.shape == ref.peek()[0].shape
-    assert torch.equal(k[:, :, -exact:], ref.peek()[0][:, :, -exact:])
-    assert not torch.equal(k, ref.peek()[0])  # the older tokens are quantized
+    k, _ = layer.kv()
+    assert k.shape == ref.kv()[0].shape
+    assert torch.equal(k[:, :, -exact:], ref.kv()[0][:, :, -exact:])
+    assert not torch.equal(k, ref.kv()[0])  # the older tokens are quantized

@@ -123,8 +123,8 @@ def test_layer_hands_attention_what_the_dynamic_layer_does(q):
         assert got[0].shape[2] == sta.layers[0].slots >= seen
         assert torch.equal(got[0][:, :, :seen], want[0]) and torch.equal(got[1][:, :, :seen], want[1])
         assert sta.get_seq_length() == seen
-    held = sta.layers[0].peek()
-    assert torch.equal(held[0], dyn.layers[0].peek()[0]) and torch.equal(held[1], dyn.layers[0].peek()[1])
+    held = sta.layers[0].kv()
+    assert torch.equal(held[0], dyn.layers[0].kv()[0]) and torch.equal(held[1], dyn.layers[0].kv()[1])
 
 
 def test_nbytes_are_the_packed_rows_and_the_residual_ring():
@@ -218,7 +218,7 @@ def test_crop_within_the_residual_and_reset():
         cache.layers[0].crop(9)
     cache.layers[0].crop(5)
     assert cache.layers[0].seq_length() == 35
-    held = cache.layers[0].peek()[0]
+    held = cache.layers[0].kv()[0]
     torch.testing.assert_close(held[:, :, 32:], k[:, :, 32:35], rtol=0, atol=0)  # the residual, exact
     cache.layers[0].crop(35)
     assert cache.layers[0].seq_length() == 0

@@ -128,20 +128,11 @@ class NoAttention(KVLayer):
     def reset(self) -> None:
         """Nothing held."""
 
-    def kv(self):
-        return None
-
-    def peek(self):
+    def kv(self, fetch: bool = False):
         return None
 
     def nbytes(self) -> dict[str, int]:
         return {}
-
-    def tier_nbytes(self) -> dict[str, int]:
-        return {}
-
-    def batch_size(self) -> int | None:
-        return None
 
     def state_dict(self) -> dict:
         return {}

@@ -2,7 +2,7 @@
 
 Tensors are ``[B, H, T, D]`` (batch, kv heads, tokens, head dim); keys and values may differ in D.
 
-Required
+Required (the core: what attention and the cache's operations need, and no more)
     append(key, value) -> (keys, values)
         Append ``T`` new tokens; return what attention must see, ``[B, H, S, D]``, already in
         order. The returned tensors may be views of internal buffers: they are valid until the
@@ -10,47 +10,62 @@ Required
         ``tiercache.layers.validate.check_update`` (a processor appends to the layer it wraps
         what it derived from such a pair). ``update(key, value)`` (here, not overridden) is that
         check then ``append``: what a layer used on its own is called with.
-    layout() -> KVSpec | None
-        What the next update must match (``tiercache.layers.spec.KVSpec``: batch, heads, head
-        dims, dtype, compute device), None before the first update; cheap, no side effect.
+    kv(fetch=False) -> (keys, values) | None
+        The one read path: what the layer holds, ``[B, H, S, D]`` at full precision on the compute
+        device, oldest first; None while it holds no token (before the first update, after
+        ``reset``, cropped empty). Views of the layer's own memory for storage layers, fresh
+        tensors for processors (dequantized; copied from the host tier). Processors read the layer
+        they wrap through it (never through its attributes); ``keys`` / ``values`` and ``export``
+        are built on it here, once, for every layer.
+        No side effect by default (nothing fetched, evicted or written). ``fetch=True`` is the read
+        of a layer about to be used (a processor's hot path): an offloaded layer answers from its
+        device mirror (acquired from the prefetcher's pool, which may evict another layer's slot,
+        and starts the next prefetch; views valid until the next call on the cache), and a
+        quantized layer's codecs keep views of the rows for its next step.
     seq_length() -> int
         Tokens seen so far (positions), including any a sliding layer has since dropped.
-    mask_sizes(query_length) -> (kv_length, kv_offset)
-        For the *next* update of ``query_length`` tokens: how many keys it returns and the
-        position of the first one (transformers' ``get_mask_sizes``).
     crop(n)
         Remove the last ``n >= 0`` tokens; all of them when ``n > seq_length()`` (as transformers'
         ``DynamicLayer``: cropping past the start empties the layer). ``crop(0)`` lets a sliding
         layer trim what it kept for a rollback back to its working size.
-    validate_crop(n)
-        Raise ``CacheError`` if ``crop(n)`` would be refused, changing nothing (the default
-        checks ``n`` is an int ``>= 0``; a sliding layer also checks it still holds the tokens it
-        would need after the crop). ``TieredCache.crop`` asks every layer first, so a refused crop changes no layer.
     gather(index)
         Keep batch rows ``index`` (a checked long tensor ``[B']``): the one batch primitive. Beam
         reorder (``B' == B``), batch select (fewer) and repeat-interleave (more) are made of it
         here, checked against ``batch_size()`` (``reorder`` / ``select`` / ``repeat_interleave``,
         no-ops on a layer never written). A layer with nothing held just takes the new batch.
-    reset()
-        Drop everything; the layer is as new (it may re-learn shape, dtype and device).
-    kv() -> (keys, values) | None
-        What the layer holds now, ``[B, H, S, D]`` views, or None when empty. Processors read
-        the layer they wrap through this (never through its attributes). It may prepare the
-        layer for use (an offloaded layer fetches itself to the compute device).
-    peek() -> (keys, values) | None
-        The same tokens as ``kv()`` with no side effect at all (no fetch, no eviction, no shared
-        buffer touched): None before the first update (and after ``reset``), else ``[B, H, S, D]``
-        with ``S`` possibly 0. Views of the layer's own memory for storage layers, fresh tensors
-        for processors (dequantized; copied from the host tier to the compute device).
-        ``keys`` / ``values`` (read-only properties, transformers' layer attributes) are built
-        on it here, once, for every layer.
     nbytes() -> dict[place, int]
         Bytes held now, per place (``"cpu"``, ``"cuda:0"``, ``"disk"``): allocated, not logical.
-    tier_nbytes() -> dict[tier, int]
-        The same bytes keyed by tier kind (``"device"``, ``"host"``, ``"disk"``): host-tier bytes
-        stay apart from compute-device bytes even when both are the CPU.
+    layout() -> KVSpec | None
+        What the next update must match (``tiercache.layers.spec.KVSpec``: batch, heads, head
+        dims, dtype, compute device), None before the first update; cheap, no side effect.
+        Irreducible beside ``kv()``: an emptied layer still holds its layout (an update must
+        match it), and a processor's layout is not its inner's (an offloaded layer computes on
+        the device, its host copy lives on the CPU; a quantized store holds uint8 rows).
+    reset()
+        Drop everything; the layer is as new (it re-learns shape, dtype and device). Not a
+        ``crop(seq_length())``, which empties the layer but keeps its layout and its buffers.
+
+Derived here from the core (a layer overrides one only where it differs)
+    mask_sizes(query_length) -> (kv_length, kv_offset)
+        For the *next* update of ``query_length`` tokens: how many keys it returns and the
+        position of the first one (transformers' ``get_mask_sizes``). From ``seq_length()``:
+        every token, or, for a sliding layer (``is_sliding``, window ``max_length()``), the last
+        ``window - 1`` held plus the new ones. A padded static layer returns all its slots.
+    validate_crop(n)
+        Raise ``CacheError`` if ``crop(n)`` would be refused, changing nothing (here: ``n`` is an
+        int ``>= 0``; a sliding layer also checks it still holds the tokens it would need after
+        the crop). ``TieredCache.crop`` asks every layer first, so a refused crop changes no layer.
     batch_size() -> int | None
-        The batch the layer holds (None before its first update); cheap, never materializes.
+        The batch the layer holds (None before its first update): ``layout()``'s.
+    is_initialized
+        Whether the layer has had an update since it was built or reset: it has a ``layout()``.
+    tier_nbytes() -> dict[tier, int]
+        ``nbytes()`` keyed by tier kind (``"device"``, ``"host"``, ``"disk"``): host-tier bytes
+        stay apart from compute-device bytes even when both are the CPU, so the kind cannot be
+        read from the place. Here: a storage layer's, every byte on its one ``tier``
+        (``tiercache.layers.tiers``); a processor adds what it holds beside its inner layer.
+    keys / values
+        ``kv()``'s halves, read-only (transformers' layer attributes).
 
 Lifecycle (what save / load / fork / retier are made of)
     state_dict() -> dict
@@ -66,7 +81,7 @@ Lifecycle (what save / load / fork / retier are made of)
         What the layer holds at full precision, ``[B, H, S, D]`` on the compute device (the
         newest ``S`` of ``seen`` tokens; quantized blocks dequantized into fresh tensors, other
         layers may return views), None before the first update. No side effect. The default is
-        ``peek()`` with ``seq_length()``.
+        ``kv()`` with ``seq_length()``.
     ingest(keys, values, seen)
         Bulk load, not an attention step: afterwards the layer holds what it would hold had it
         been fed ``seen`` tokens ending with these (a sliding layer keeps its window and its
@@ -90,8 +105,7 @@ The lifecycle four are the ``Lifecycle`` protocol (``state_dict``, ``load_state_
 A wrapper derives from ``tiercache.layers.delegating.Delegating(inner)``: every call of both
 protocols and every hook goes to ``inner`` unchanged, and a wrapper states only what it changes.
 
-Class attributes: ``is_sliding``, ``is_compileable``, ``max_length()`` (-1 when unbounded);
-``is_initialized`` (property: updated since built or reset).
+Class attributes: ``is_sliding``, ``is_compileable``, ``max_length()`` (-1 when unbounded).
 
 Checks shared by layers and the cache: ``check_crop``, ``check_batch_indices``, ``check_repeats``
 (an update's: ``tiercache.layers.validate``).
@@ -148,8 +162,12 @@ class KVLayer(Lifecycle):
     @abstractmethod
     def seq_length(self) -> int: ...
 
-    @abstractmethod
-    def mask_sizes(self, query_length: int) -> tuple[int, int]: ...
+    def mask_sizes(self, query_length: int) -> tuple[int, int]:
+        seen = self.seq_length()
+        if not self.is_sliding:
+            return seen + query_length, 0
+        window = self.max_length()
+        return min(seen, window - 1) + query_length, max(seen - window + 1, 0)
 
     @abstractmethod
     def crop(self, n: int) -> None: ...
@@ -182,10 +200,15 @@ class KVLayer(Lifecycle):
     def reset(self) -> None: ...
 
     @abstractmethod
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
-    @abstractmethod
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def _kv_or_empty(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``kv()``, or the layout's zero-token pair when the layer holds none; None before the first update."""
+        held = self.kv()
+        if held is None:
+            spec = self.layout()
+            return None if spec is None else spec.empty()
+        return held
 
     @abstractmethod
     def nbytes(self) -> dict[str, int]: ...
@@ -199,25 +222,26 @@ class KVLayer(Lifecycle):
         layer returns a view of its memory (valid until the next call on the cache); a quantized
         layer dequantizes its whole history into fresh tensors on every read; an offloaded layer
         copies its host copy (or packed blocks) to the compute device on every read. Reading
-        ``keys`` and then ``values`` pays that twice: ``peek()`` returns both at once.
+        ``keys`` and then ``values`` pays that twice: ``kv()`` returns both at once.
         """
-        held = self.peek()
+        held = self._kv_or_empty()
         return None if held is None else held[0]
 
     @property
     def values(self) -> torch.Tensor | None:
         """The values the layer holds, ``[B, H, S, D]``: as ``keys`` (same cost, same rules)."""
-        held = self.peek()
+        held = self._kv_or_empty()
         return None if held is None else held[1]
 
-    @abstractmethod
-    def tier_nbytes(self) -> dict[str, int]: ...
+    def tier_nbytes(self) -> dict[str, int]:
+        return {self.tier.kind: n for n in self.nbytes().values()}
 
-    @abstractmethod
-    def batch_size(self) -> int | None: ...
+    def batch_size(self) -> int | None:
+        spec = self.layout()
+        return None if spec is None else spec.batch
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        held = self.peek()
+        held = self._kv_or_empty()
         return None if held is None else (*held, self.seq_length())
 
     def max_length(self) -> int:
@@ -229,8 +253,8 @@ class KVLayer(Lifecycle):
     @property
     def is_initialized(self) -> bool:
         """Whether the layer has had an update since it was built or reset (transformers' layer
-        attribute; read-only here). The default asks ``peek()``; layers answer it cheaply."""
-        return self.peek() is not None
+        attribute; read-only): it has a layout."""
+        return self.layout() is not None
 
     def reserve(self, tokens: int) -> None:
         """Hook: room for ``tokens`` tokens in all, when the layer allocates next (a capacity hint)."""

@@ -57,11 +57,9 @@ class Buffer:
         a = self.start + lo
         return self.keys.narrow(2, a, n), self.values.narrow(2, a, n)  # [B, H, hi-lo, D] (narrow: cheaper than [:, :, a:b])
 
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Views of every held token; None before the first append (or after ``clear``)."""
-        if self.spec is None:
-            return None
-        return self.spec.empty() if self.keys is None else self.view()  # [B, H, S, D]
+    def held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of every held token, zero-token tensors when none (needs a spec)."""
+        return self.view() if self.keys is not None else self.spec.empty()  # [B, H, S, D]
 
     def nbytes(self) -> dict[str, int]:
         if self.keys is None:
@@ -75,7 +73,7 @@ class Buffer:
     def state_dict(self) -> dict:
         if self.spec is None:
             return {"spec": None}
-        k, v = self.peek()
+        k, v = self.held()
         return {"spec": spec_state(self.spec), "capacity": self.capacity, "keys": k, "values": v}
 
     def load_state_dict(self, sd: dict, kind: str) -> None:
@@ -216,15 +214,8 @@ class BufferedLayer(KVLayer):
         if self.buffer.spec is not None:
             self.buffer.gather(index)
 
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.buffer.view() if self.buffer.spec is not None and len(self.buffer) else None
-
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.buffer.peek()
-
-    @property
-    def is_initialized(self) -> bool:
-        return self.buffer.spec is not None
 
     def nbytes(self) -> dict[str, int]:
         return self.buffer.nbytes()
@@ -232,5 +223,3 @@ class BufferedLayer(KVLayer):
     def tier_nbytes(self) -> dict[str, int]:
         return self.buffer.tier_nbytes()
 
-    def batch_size(self) -> int | None:
-        return None if self.buffer.spec is None else self.buffer.spec.batch

@@ -57,24 +57,14 @@ class Delegating(KVLayer):
         self.changing()
         self.inner.reset()
 
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.inner.kv()
-
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.inner.peek()
-
-    @property
-    def is_initialized(self) -> bool:
-        return self.inner.is_initialized
+    def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.inner.kv(fetch)
 
     def nbytes(self) -> dict[str, int]:
         return self.inner.nbytes()
 
     def tier_nbytes(self) -> dict[str, int]:
         return self.inner.tier_nbytes()
-
-    def batch_size(self) -> int | None:
-        return self.inner.batch_size()
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

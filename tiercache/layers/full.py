@@ -14,6 +14,7 @@ class FullLayer(BufferedLayer):
     def __init__(self, tier=None, chunk: int = CHUNK, geometric: bool = True):
         # chunk: capacity unit (tokens); geometric: regrow on capacity.grown_capacity's ladder
         self.buffer = Buffer(tier or ComputeTier(), chunk, geometric)
+        self.tier = self.buffer.tier
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.buffer.append(key, value)
@@ -21,9 +22,6 @@ class FullLayer(BufferedLayer):
 
     def seq_length(self) -> int:
         return len(self.buffer)
-
-    def mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seq_length() + query_length, 0
 
     def crop(self, n: int) -> None:
         self.buffer.truncate(check_crop(n, self.seq_length()))

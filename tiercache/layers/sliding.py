@@ -36,6 +36,7 @@ class SlidingLayer(BufferedLayer):
             raise CacheError(f"sliding window must be an int >= 1, got {window!r}")
         self.window = window
         self.buffer = Buffer(tier or ComputeTier(), chunk)  # chunk: capacity added at a time (tokens)
+        self.tier = self.buffer.tier
         self.seen = 0  # tokens seen, including those slid out
         self.recording = False
         self.slack = sliding_slack(window, chunk)  # tokens appended between two slides of the window
@@ -67,12 +68,6 @@ class SlidingLayer(BufferedLayer):
 
     def seq_length(self) -> int:
         return self.seen
-
-    def mask_sizes(self, query_length: int) -> tuple[int, int]:
-        offset = max(self.seen - self.window + 1, 0)
-        if self.seen >= self.window:
-            return self.window - 1 + query_length, offset
-        return self.seen + query_length, offset
 
     def max_length(self) -> int:
         return self.window

@@ -137,30 +137,15 @@ class StaticLayer(KVLayer):
         self.reset()
         self.tier.close()
 
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.spec is None or not self.length:
             return None
-        return self.peek()
-
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.spec is None:
-            return None
         return self.k[:, :, : self.length], self.v[:, :, : self.length]  # [B, H, S, D] views
-
-    @property
-    def is_initialized(self) -> bool:
-        return self.spec is not None
 
     def nbytes(self) -> dict[str, int]:
         if self.spec is None:
             return {}
         return {self.tier.place(self.spec.device): nbytes_of(*self._buffers())}
-
-    def tier_nbytes(self) -> dict[str, int]:
-        return {self.tier.kind: n for n in self.nbytes().values()}
-
-    def batch_size(self) -> int | None:
-        return None if self.spec is None else self.spec.batch
 
     def state_dict(self) -> dict:
         if self.spec is None:

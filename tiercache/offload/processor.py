@@ -12,7 +12,7 @@ files), brought to the compute device just before use.
 It is a layer (``tiercache.layers.base`` protocol) and reads the layer it wraps only through
 that protocol. The device side is a *mirror* (``tiercache.offload.mirror.Mirror``) in a
 reusable slot of the prefetcher's pool, owned by the prefetcher: when a layer is used
-(``update`` or ``kv``) ``prefetcher.acquire`` makes its mirror ready, returns it and starts
+(``update`` or ``kv(fetch=True)``) ``prefetcher.acquire`` makes its mirror ready, returns it and starts
 fetching the next ``prefetch`` offloaded layers on a side stream. ``update`` asks the
 prefetcher for room (``reserve``), writes the new tokens to the mirror device-to-device
 (``mirror.append``) and sends only those tokens to the host (device -> host, then the inner
@@ -25,7 +25,7 @@ A sliding host layer (not recording) given more tokens at once than a window's m
 long prompt) answers them in fresh tensors, as a resident sliding layer does, and its mirror keeps
 only the window: device slots never grow to the prompt's length (they never shrink).
 
-``peek()`` (and ``keys`` / ``values``) bypass the mirror and the prefetcher: they copy the host
+``kv()`` (and ``keys`` / ``values``) bypass the mirror and the prefetcher: they copy the host
 copy to the compute device, so reading them never evicts the slot another layer is using.
 
 Errors: an update's shape, dtype, device and room are checked once before it reaches the layer
@@ -176,7 +176,8 @@ class Offload(Delegating):
         return k[:, :, k.shape[2] - shown:], v[:, :, v.shape[2] - shown:]
 
     def layout(self):
-        """The host layer's layout on the compute device (a staged first write-back counts)."""
+        """The host layer's layout on the compute device (a staged first write-back counts: so do
+        ``batch_size()`` and ``is_initialized``, derived from it)."""
         spec = self.inner.layout()
         first = self.staged.first()
         if spec is None and first is not None:
@@ -212,26 +213,21 @@ class Offload(Delegating):
         self.inner.close()
         self.device = None
 
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        self._settle(block=False)
-        if self.inner.kv() is None and not self.staged:
-            return None
-        return self.prefetcher.acquire(self).kv()
-
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A copy of the host copy on the compute device, read through the wrapped layer's
-        ``peek()``: no slot acquired, no mirror evicted, no prefetch started. Costs one host ->
-        device copy of the layer (a disk tier: a read of its files) per call."""
+    def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``fetch``: the device mirror (acquired from the prefetcher, which starts the next
+        prefetch). Else a copy of the host copy on the compute device: no slot acquired, no mirror
+        evicted, no prefetch started; one host -> device copy (a disk tier: a read of its files)."""
+        if fetch:
+            self._settle(block=False)
+            if self.inner.kv() is None and not self.staged:
+                return None
+            return self.prefetcher.acquire(self).kv()
         self._settle()  # the host copy holds every token (a staged write-back joins it first)
-        held = self.inner.peek()
+        held = self.inner.kv()
         if held is None:
             return None
         device = self.device if self.device is not None else held[0].device
         return held[0].to(device, copy=True), held[1].to(device, copy=True)  # [B, H, S, D]
-
-    @property
-    def is_initialized(self) -> bool:
-        return bool(self.staged) or self.inner.is_initialized  # a staged first update counts
 
     def nbytes(self) -> dict[str, int]:
         self._settle_unless_failed()
@@ -240,10 +236,6 @@ class Offload(Delegating):
     def tier_nbytes(self) -> dict[str, int]:
         self._settle_unless_failed()
         return self.inner.tier_nbytes()
-
-    def batch_size(self) -> int | None:
-        spec = self.layout()  # a staged first update counts (as in is_initialized)
-        return None if spec is None else spec.batch
 
     # -- lifecycle: the host copy is the state; the mirror is never part of it ------------------
     # Each method settles pending write-backs first: the host copy must hold every token before

@@ -221,7 +221,7 @@ class BlockCodec:
     def _parts(self, rows: torch.Tensor, remember: bool = True):
         """(codes, scale, offset) views of ``rows``; remembered for the last rows seen (a decode
         step reads the same store views again: a cached view keeps its storage alive, so an equal
-        data pointer is the same memory). ``remember=False``: a one-off read (``peek``)."""
+        data pointer is the same memory). ``remember=False``: a one-off read (``kv()``)."""
         key = (rows.data_ptr(), rows.shape, rows.stride())
         if self._last is not None and self._last[0] == key:
             return self._last[1]

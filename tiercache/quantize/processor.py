@@ -2,7 +2,7 @@
 
     Quantize(inner, codec, residual_length, sink_tokens=0, window=None, max_length=None, shared=None,
              packed_attention=False)
-        a KVLayer around ``inner``, like ``Offload(inner)``; ``packed_attention`` (with ``shared``):
+        a ``Delegating`` layer around ``inner``, like ``Offload(inner)``; ``packed_attention`` (with ``shared``):
         a decode step returns ``PackedKV`` and attention reads the codes (``quantize/packed_kv.py``)
 
 ``inner`` is the *store* (full / sliding / static, possibly offloaded), built by the chain
@@ -71,7 +71,7 @@ they leave the residual again (the only case a value is quantized twice). After 
 residual may hold fewer than ``r(n)`` tokens; the flush rule above applies from there. A crop
 of ``seq_length()`` tokens or more empties the layer (transformers' ``DynamicLayer``), even a
 sliding one whose window dropped blocks (the empty result is exact); ``keys`` / ``values``
-(``peek``) dequantize the whole history into fresh tensors on each read.
+(``kv``) dequantize the whole history into fresh tensors on each read.
 
 Attention sinks (``sink_tokens = N``, full-attention layers only: a sliding window slides them
 out): the first ``N`` tokens seen are kept apart in full precision, never quantized, and returned
@@ -87,6 +87,7 @@ import torch
 
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer
+from tiercache.layers.delegating import Delegating
 from tiercache.layers.spec import KVSpec
 from tiercache.policy.schema import QuantizePolicy
 from tiercache.quantize import crop as quantize_crop, state as quantize_state
@@ -100,14 +101,13 @@ __all__ = ["Quantize", "flush_split", "PACKED_QUERIES"]
 PACKED_QUERIES = 16  # an update of at most this many tokens is a decode step (packed attention)
 
 
-class Quantize(KVLayer):
+class Quantize(Delegating):
     def __init__(self, inner: KVLayer, codec: Codec, residual_length: int, sink_tokens: int = 0,
                  window: int | None = None, max_length: int | None = None, shared=None, packed_attention: bool = False):
         self.codec = codec
         self.g, self.r, self.sink_tokens = codec.group_size, residual_length, sink_tokens
         self.window, self.limit = window, max_length
         self.shared = shared
-        self.is_sliding = window is not None
         if window is not None:
             if not isinstance(window, int) or window < 1:
                 raise CacheError(f"sliding window must be an int >= 1, got {window!r}")
@@ -122,7 +122,8 @@ class Quantize(KVLayer):
         if inner.max_length() != rows:
             raise CacheError(f"quantize: the store must hold {rows} blocks (-1: unbounded) for window={window}, "
                              f"max_length={max_length}, group_size={self.g}; got one of {inner.max_length()}")
-        self.store = inner  # one packed block per "token"
+        super().__init__(inner)  # the store: one packed block per "token"
+        self.is_sliding = window is not None
         self.residual = Residual()  # [B, H, r, D], r < max(R, G)
         self.sinks = Residual()  # [B, H, s, D], s <= N: the first tokens, exact
         self.n_sinks = kept_sinks(sink_tokens, window)
@@ -134,7 +135,12 @@ class Quantize(KVLayer):
         self.finite = FiniteGuard()  # refuses non-finite updates (quantize/finite.py)
         self.packed_attention = packed_attention and shared is not None  # decode steps return PackedKV
 
-    # -- the protocol ---------------------------------------------------------------------------
+    @property
+    def store(self) -> KVLayer:
+        """The wrapped layer (``inner``): it holds the packed blocks, one per "token"."""
+        return self.inner
+
+    # -- what it changes (prefetch, evict and ``recording`` are the store's: ``Delegating``) -------
     @torch.no_grad()
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         spec = self.spec or KVSpec.read(key, value)  # layout and static room: checked once (layers/validate.py)
@@ -186,13 +192,10 @@ class Quantize(KVLayer):
     def seq_length(self) -> int:
         return self.seen
 
-    def mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.window is None:
-            return self.seen + query_length, 0
-        offset = max(self.seen - self.window + 1, 0)
-        if self.seen >= self.window:
-            return self.window - 1 + query_length, offset
-        return self.seen + query_length, offset
+    mask_sizes = KVLayer.mask_sizes  # in tokens, from seq_length (the store's counts blocks)
+
+    def reserve(self, tokens: int) -> None:
+        """The store grows by exactly the blocks of each flush (its bytes are the packed size)."""
 
     def max_length(self) -> int:
         return self.window if self.window is not None else (self.limit if self.limit is not None else -1)
@@ -215,48 +218,42 @@ class Quantize(KVLayer):
 
     def reset(self) -> None:
         self.store.reset()
+        self._empty()
+
+    def close(self) -> None:
+        """Release everything; the layer is empty afterwards (as after ``reset``)."""
+        self.store.close()
+        for codec in self.codecs or ():
+            codec.forget()
+        self._empty()
+
+    def _empty(self) -> None:
         self.residual.clear()
         self.finite.reset()
         self.sinks.clear()
         self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
 
     @torch.no_grad()
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Fresh tensors (never the workspace): callers may keep them."""
-        self.finite.surface()
-        if self.spec is None or (not len(self.residual) and not len(self.sinks) and self._held_blocks() is None):
-            return None
-        return self._assemble(self._held_blocks(), None, None, workspace=False)
-
-    @torch.no_grad()
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole history dequantized into fresh tensors ``[B, H, S, D]`` on the compute device
-        (a sliding layer: the tokens a ``SlidingLayer`` keeps, the last ``window - 1`` plus those
-        recorded since the last crop); the store is read through its ``peek()``, so nothing is fetched, evicted or
-        written (not even the workspace or a codec's remembered views)."""
-        self.finite.surface()  # a landed non-finite flag refuses, as kv() does
+    def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole history dequantized into fresh tensors ``[B, H, S, D]`` on the compute device,
+        never the workspace: callers may keep them (a sliding layer: the tokens a ``SlidingLayer``
+        keeps, the last ``window - 1`` plus those recorded since the last crop). The store is read
+        with the same ``fetch``; only with it do the codecs keep views of the rows."""
+        self.finite.surface()  # a landed non-finite flag refuses
         if self.spec is None:
             return None
-        blocks = self.store.peek() if self.stored else None
-        k, v = self._assemble(blocks, None, None, workspace=False, remember=False)  # [B, H, S, D]
+        k, v = self._assemble(self._held_blocks(fetch), None, None, workspace=False, remember=fetch)  # [B, H, S, D]
         if self.window is not None:
             keep = min(self.window - 1, self.seen - self.recorded) + self.recorded
             if k.shape[2] > keep:
                 k, v = k[:, :, k.shape[2] - keep :], v[:, :, k.shape[2] - keep :]
-        return k, v
-
-    @property
-    def is_initialized(self) -> bool:
-        return self.spec is not None
+        return (k, v) if k.shape[2] else None
 
     def tier_nbytes(self) -> dict[str, int]:
         out = dict(self.store.tier_nbytes())
         for size in (*self.residual.nbytes().values(), *self.sinks.nbytes().values()):
             out["device"] = out.get("device", 0) + size
         return out
-
-    def batch_size(self) -> int | None:
-        return None if self.spec is None else self.spec.batch
 
     # -- lifecycle (tiercache.quantize.state) ------------------------------------------
     def state_dict(self) -> dict:
@@ -293,38 +290,16 @@ class Quantize(KVLayer):
             out[place] = out.get(place, 0) + size
         return out
 
-    def prefetch(self) -> None:
-        self.store.prefetch()
-
-    def evict(self) -> None:
-        self.store.evict()
-
     def set_recording(self, on: bool) -> None:
         self.store.set_recording(on)
         if not on:
             self.recorded = 0
 
-    @property
-    def recording(self) -> bool:
-        return self.store.record_past
-
-    def close(self) -> None:
-        """Release everything; the layer is empty afterwards (as after ``reset``)."""
-        self.store.close()
-        self.residual.clear()
-        self.finite.reset()
-        self.sinks.clear()
-        for codec in self.codecs or ():
-            codec.forget()
-        self.spec, self.codecs, self.seen, self.stored, self.recorded = None, None, 0, False, 0
-
     def _codecs(self, spec: KVSpec) -> tuple[BlockCodec, BlockCodec]:
         return self.codec.for_kv(spec.key_dim, spec.value_dim, spec.dtype)
 
-    def _held_blocks(self):
-        if not self.stored:
-            return None
-        return self.store.kv()  # [B, H, N, row] each, or None
+    def _held_blocks(self, fetch: bool = True):
+        return self.store.kv(fetch) if self.stored else None  # [B, H, N, row] each, or None
 
     def _visible(self, blocks, held: int, fresh: int, visible: int | None):
         """(blocks, n, skip): the blocks that hold visible tokens, their count, and the leading

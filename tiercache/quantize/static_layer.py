@@ -216,11 +216,11 @@ class StaticQuantized(StaticLayer):
         self._overflowed = False
 
     @torch.no_grad()
-    def peek(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def kv(self, fetch: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Fresh dequantized ``[B, H, S, D]`` (packed blocks, then the residual exact)."""
-        if self.spec is None:
+        p = 0 if self.spec is None else self.seq_length()
+        if not p:
             return None
-        p = self.seq_length()
         base = p - p % self.r
         keys, values = self._dequantize(self.krows, 0)[:, :, :p], self._dequantize(self.vrows, 1)[:, :, :p]
         keys[:, :, base:].copy_(self.rk[:, :, : p - base])
