@@ -268,3 +268,33 @@ def test_lent_caches_hold_their_own_tokens_and_keep_them_after_leaving():
     with torch.no_grad():
         want = model(input_ids=torch.tensor([all_ids[2] + tokens[2]]), **cache_arg(ref)).logits[0, -1]
     torch.testing.assert_close(out.logits[0], want, atol=1e-4, rtol=0)
+
+
+def test_a_growth_whose_allocation_fails_leaves_the_space_as_it_was(monkeypatch):
+    """Growing allocates the new keys and values before replacing either: when the second
+    allocation fails (out of memory, here injected), the space still holds its old, matching pair."""
+    from tiercache.layers.spec import KVSpec
+    from tiercache.serve.workspace import _Space
+
+    spec = KVSpec(batch=1, heads=2, key_dim=8, value_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    space = _Space(spec, slots=2, tokens=128)
+    space.keys.normal_()
+    before_k, before_v = space.keys.clone(), space.values.clone()
+    made = {"n": 0}
+    real = torch.Tensor.new_zeros
+
+    def failing(self, *args, **kwargs):
+        made["n"] += 1
+        if made["n"] == 2:  # the values' allocation
+            raise torch.OutOfMemoryError("injected")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "new_zeros", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        space.grow(4, 512)
+    monkeypatch.undo()
+    assert space.keys.shape == (2, 2, 128, 8) and space.values.shape == (2, 2, 128, 4)
+    assert torch.equal(space.keys, before_k) and torch.equal(space.values, before_v)
+    space.grow(4, 512)  # and a later growth works
+    assert space.keys.shape[:3] == space.values.shape[:3] == (4, 2, 512)
+    assert torch.equal(space.keys[:2, :, :128], before_k)

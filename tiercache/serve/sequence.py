@@ -193,9 +193,10 @@ class Sequence:
         cache, self.cache = self.cache, None
         if cache is None:
             return
-        self.w.workspace.release(cache)  # its memory its own again before the store's thread sees it
         if self.w.store is None or self.choice or self.fed == 0:  # one entry per request: choice 0's
-            return cache.close()
+            cache.close()
+            return self.w.workspace.release(cache)  # (closed first: nothing is copied out)
+        self.w.workspace.release(cache)  # its memory its own again before the store's thread sees it
         # the reservation ends first (read when the call runs: a split may replace it), then the entry is counted
         ids, job = (self.job.ids + self.generated)[:self.fed], self.job
         self.w.store_call(lambda store: store.put(ids, cache, release=job.reservation, scope=job.scope))

@@ -82,10 +82,12 @@ class _Space:
             return
         c2 = c if tokens <= c else _round(max(tokens, c + c // 2))
         keys, values = self.keys, self.values
-        self.keys = keys.new_zeros((max(slots, s), keys.shape[1], c2, keys.shape[3]))
-        self.values = values.new_zeros((max(slots, s), values.shape[1], c2, values.shape[3]))
-        self.keys[:s, :, :c] = keys
-        self.values[:s, :, :c] = values
+        # both allocated before either is replaced: an allocation that fails leaves the space as it was
+        new_k = keys.new_zeros((max(slots, s), keys.shape[1], c2, keys.shape[3]))  # [S, H, C, D]
+        new_v = values.new_zeros((max(slots, s), values.shape[1], c2, values.shape[3]))  # [S, H, C, Dv]
+        new_k[:s, :, :c] = keys
+        new_v[:s, :, :c] = values
+        self.keys, self.values = new_k, new_v
         for slot, (buf, kv, vv) in list(self.lent.items()):
             if buf.keys is kv and buf.values is vv:
                 self.lend(slot, buf, copy=False)
