@@ -62,7 +62,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def tokens(t, seed, d=D, dv=D):
-    g = torch.Generator().manual_seed(seed)
+    g = _gen(seed)
     k = torch.randn(B, H, t, d, generator=g)
     k[..., :3] *= 6  # a few large channels, as real keys have
     return k, torch.randn(B, H, t, dv, generator=g)  # [B, H, t, D]
