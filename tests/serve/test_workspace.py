@@ -37,13 +37,14 @@ def alone(model, ids, new, cache, chunk=None):
     """Greedy tokens and fp32 logits of one sequence run by itself."""
     tokens, logits = [], []
     chunk = chunk or len(ids)
+    device = next(model.parameters()).device
     with torch.no_grad():
         for start in range(0, len(ids), chunk):
-            out = model(input_ids=torch.tensor([ids[start:start + chunk]]), cache=cache)
+            out = model(input_ids=torch.tensor([ids[start:start + chunk]], device=device), cache=cache)
         for _ in range(new):
             logits.append(out.logits[0, -1].float())
             tokens.append(int(logits[-1].argmax()))
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache)
+            out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), cache=cache)
     return tokens, logits
 
 
@@ -110,6 +111,26 @@ def test_batched_decode_equals_each_sequence_alone(family, calls):
     assert ws.nbytes()["workspace"] > 0
     run_rows(model, [Row(caches[0], [5, 6]), Row(caches[2], [7])], ws)  # one decoding row: its own call
     assert ws.nbytes()["workspace"] == 0  # the copy is dropped
+
+
+@pytest.mark.cuda
+def test_batched_decode_on_cuda_equals_each_sequence_alone(calls):
+    """The server's step on a GPU: full-precision rows share the workspace's write and attention
+    call, int4 rows keep their own; each sequence's answer is that of it run alone."""
+    model = build("llama").to("cuda")
+    all_ids = prompts()
+    policies = [FULL, INT4, FULL, FULL, INT4]
+    caches = [TieredCache.from_policy(p, model.config) for p in policies]
+    tokens, logits = staggered(model, all_ids, caches, StepWorkspace())
+    for i, ids in enumerate(all_ids):
+        own = TieredCache.from_policy(policies[i], model.config)
+        ref_tokens, ref_logits = alone(model, ids, PLAN[i][1], own, chunk=CHUNK)
+        assert tokens[i] == ref_tokens, i
+        for a, b in zip(logits[i], ref_logits):
+            torch.testing.assert_close(a, b, atol=1e-3, rtol=0)
+    assert max(n for _, n in calls) >= 2  # the full-precision rows shared a call on the GPU
+    for c in caches:
+        assert c.nbytes().get("cpu", 0) == 0 and c.nbytes().get("cuda:0", 0) > 0  # nothing left the GPU
 
 
 def test_layers_that_cannot_join_keep_their_own_call(calls):

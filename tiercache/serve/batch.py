@@ -184,7 +184,7 @@ def _attend(q, k, v, position, scaling, window, softcap):
         if mask is not None and groups > 1:
             mask = mask.repeat(groups, 1)  # [g*t, L]
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scaling)
-        return out.view(1, heads, t, dim)
+        return out.reshape(1, heads, t, dim)  # [1, Hkv, g*t, D] -> [1, H, t, D]: a GPU backend may lay it out head-last
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [1, H, L, D]
     scores = torch.matmul(q, k.transpose(2, 3)) * (scaling if scaling is not None else dim ** -0.5)
