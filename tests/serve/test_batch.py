@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from tests.builders import build
+from tiercache.cache.compat import cache_arg
 from tiercache.cache.tiered import TieredCache
 from tiercache.serve.batch import Row, run_rows
 
@@ -40,11 +41,11 @@ def alone(model, ids, cache, chunk=None):
     chunk = chunk or len(ids)
     with torch.no_grad():
         for start in range(0, len(ids), chunk):
-            out = model(input_ids=torch.tensor([ids[start:start + chunk]]), cache=cache)
+            out = model(input_ids=torch.tensor([ids[start:start + chunk]]), **cache_arg(cache))
         for _ in range(NEW):
             logits.append(out.logits[0, -1].float())
             tokens.append(int(logits[-1].argmax()))
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache)
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), **cache_arg(cache))
     return tokens, logits
 
 

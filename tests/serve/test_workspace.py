@@ -40,11 +40,11 @@ def alone(model, ids, new, cache, chunk=None):
     device = next(model.parameters()).device
     with torch.no_grad():
         for start in range(0, len(ids), chunk):
-            out = model(input_ids=torch.tensor([ids[start:start + chunk]], device=device), cache=cache)
+            out = model(input_ids=torch.tensor([ids[start:start + chunk]], device=device), **cache_arg(cache))
         for _ in range(new):
             logits.append(out.logits[0, -1].float())
             tokens.append(int(logits[-1].argmax()))
-            out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), cache=cache)
+            out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), **cache_arg(cache))
     return tokens, logits
 
 
