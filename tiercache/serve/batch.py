@@ -3,6 +3,7 @@
     rows = [Row(cache, [12, 7, 9], sample=True), Row(other_cache, [42]), ...]
     out = run_rows(model, rows, workspace)   # workspace: a StepWorkspace kept across steps (optional)
     out.logits      # [R, V] float32: the last token's logits of each row with ``sample=True``, in row order
+                    # (no row samples: ``[0, V]``, and the LM head projects no token)
     out.failed      # {row index: exception}: rows whose own part failed (their cache is then inconsistent)
 
 Design (the batch is a scheduling fact, not a cache fact; DESIGN.md, wave 3). The rows are
@@ -251,7 +252,8 @@ def run_rows(model, rows: list[Row], workspace: StepWorkspace | None = None) -> 
     batch = PackedCache(rows, spans, positions, workspace, step)
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, T]
     position_ids = torch.tensor([pos], dtype=torch.long, device=device)  # [1, T]
-    logits_to_keep = torch.tensor(keep or [len(ids) - 1], dtype=torch.long, device=device)  # [R]
+    # [R]; none (a step of closing rows only: their K/V are wanted, not their logits) skips the LM head
+    logits_to_keep = torch.tensor(keep, dtype=torch.long, device=device)
     try:
         with torch.no_grad(), _implementation(model):
             out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=logits_to_keep,
@@ -259,5 +261,5 @@ def run_rows(model, rows: list[Row], workspace: StepWorkspace | None = None) -> 
     finally:
         if own:
             workspace.clear()
-    logits = out.logits[0].float() if keep else out.logits[0, :0].float()  # [R, V]
+    logits = out.logits[0].float()  # [R, V]
     return Output(logits, batch.failed)
