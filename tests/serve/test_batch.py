@@ -160,3 +160,25 @@ def test_a_step_that_samples_nothing_projects_no_token_and_stores_the_same_kv():
         for layer, want in zip(cache.layers, ref.layers):
             torch.testing.assert_close(layer.kv()[0], want.keys, atol=1e-5, rtol=0)
             torch.testing.assert_close(layer.kv()[1], want.values, atol=1e-5, rtol=0)
+
+
+def test_a_rows_attention_mask_is_made_once_per_step_and_attends_as_alone(monkeypatch):
+    """A prefill chunk's causal mask (``t x L``) has the same shape and positions at every layer:
+    it is made once per step and row, not once per layer, and the logits are still the run alone's."""
+    from tiercache.serve import batch as batch_mod
+
+    model = build("llama")
+    ids = prompts(seed=5)
+    made = []
+    real = batch_mod._mask
+    monkeypatch.setattr(batch_mod, "_mask", lambda *a: made.append(a[:3]) or real(*a))
+    caches = [TieredCache.from_policy(FULL, model.config) for _ in ids]
+    run_rows(model, [Row(c, i[:4]) for c, i in zip(caches, ids)])
+    made.clear()
+    out = run_rows(model, [Row(c, i[4:]) for c, i in zip(caches, ids)])  # chunks after a held prefix
+    assert sorted(made) == sorted((len(i) - 4, len(i), 4) for i in ids)  # once per row, not per layer
+    for row, prompt in enumerate(ids):
+        ref = DynamicCache()
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([prompt]), **cache_arg(ref)).logits[0, -1]
+        torch.testing.assert_close(out.logits[row], want, atol=1e-4, rtol=0)
