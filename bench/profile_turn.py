@@ -1,15 +1,20 @@
 """Where the time to first token of a stored conversation's next turn goes in ``tiercache serve``.
 
     python bench/profile_turn.py [--model smollm2-135m] [--history 4000] [--turns 2] [--turn-tokens 16]
-                                 [--repeats 3] [--threads 1] [--store PATH] [--profile]
+                                 [--repeats 3] [--threads 1] [--store PATH] [--profile] [--live]
 
 In this process: the server's own worker with its store (``tiercache.serve.server.build``, the
 default store unless ``--store``; the worker's and the store keeper's threads running, as in the
 server). A chat conversation of ``--turns`` user turns of held-out text is grown to about
 ``--history`` tokens, each turn answered by the worker (``--turn-tokens`` greedy tokens, its
-answers go into the history, as ``bench/bench_peer.py`` does); then ``--repeats`` next turns
-(about 48 new user tokens each, after the same history) are sent the moment the previous answer is
-done, as a client would, and timed from the request's arrival to the first text event.
+answers go into the history, as ``bench/bench_peer.py`` does). Then the timed turns, each about
+48 new user tokens, timed from the request's arrival to the first text event:
+
+- ``--repeats`` *next* turns of the conversation (the stored entry is taken), each sent 0.5 s
+  after the previous answer (its closing step and ``put`` are done: the parts are the turn's own);
+- ``--repeats`` more, alternating with them, sent the moment the previous answer is done (as
+  ``bench_peer.py``'s client does: the previous turn's closing step is on the way);
+- one *branch*: the last turn asked again with another question (the entry is forked and cropped).
 
 Every part on the way is timed (exclusive wall time: a part less the parts nested in it), on
 the thread that runs it: the request's preparation (chat template + tokenizing, the planner's
@@ -17,7 +22,8 @@ bytes), the store's calls on the keeper thread (the previous turn's ``put``, ``r
 ``checkout``, the room reserved for the prompt), the worker's forward (matmuls, attention
 kernel, cache updates, the rest of the model, the packing around it), sampling and the first
 event; what no part covers is the waits between threads. ``--profile`` adds a cProfile of the
-worker thread during one more timed turn (the functions with the most own time).
+worker thread during one more timed turn (the functions with the most own time); ``--live`` runs
+the same turns against a live ``tiercache serve`` through the ``openai`` client (TTFT only).
 
 The CPU may be shared: the load average is printed; compare parts within one run.
 """
