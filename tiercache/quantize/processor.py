@@ -89,6 +89,7 @@ from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer
 from tiercache.layers.delegating import Delegating
 from tiercache.layers.spec import KVSpec
+from tiercache.layers.tiers import summed
 from tiercache.policy.schema import QuantizePolicy
 from tiercache.quantize import crop as quantize_crop, state as quantize_state
 from tiercache.quantize.blocks import BlockCodec, Codec
@@ -250,10 +251,8 @@ class Quantize(Delegating):
         return (k, v) if k.shape[2] else None
 
     def tier_nbytes(self) -> dict[str, int]:
-        out = dict(self.store.tier_nbytes())
-        for size in (*self.residual.nbytes().values(), *self.sinks.nbytes().values()):
-            out["device"] = out.get("device", 0) + size
-        return out
+        exact = [{"device": n} for n in (*self.residual.nbytes().values(), *self.sinks.nbytes().values())]
+        return summed([self.store.tier_nbytes(), *exact])  # the residual and sinks: on the compute device
 
     # -- lifecycle (tiercache.quantize.state) ------------------------------------------
     def state_dict(self) -> dict:
@@ -285,10 +284,7 @@ class Quantize(Delegating):
         quantize_state.adopt(self, other)
 
     def nbytes(self) -> dict[str, int]:
-        out = dict(self.store.nbytes())
-        for place, size in (*self.residual.nbytes().items(), *self.sinks.nbytes().items()):
-            out[place] = out.get(place, 0) + size
-        return out
+        return summed([self.store.nbytes(), self.residual.nbytes(), self.sinks.nbytes()])
 
     def set_recording(self, on: bool) -> None:
         self.store.set_recording(on)
