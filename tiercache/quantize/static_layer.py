@@ -56,6 +56,7 @@ import torch
 from tiercache.errors import CacheError
 from tiercache.layers.base import check_crop
 from tiercache.layers.spec import KVSpec
+from tiercache.layers.state import held_tensor
 from tiercache.layers.static import StaticLayer, mark_static
 from tiercache.quantize.blocks import BlockCodec, Codec
 
@@ -259,15 +260,9 @@ class StaticQuantized(StaticLayer):
                 "rk": self.rk[:, :, :s], "rv": self.rv[:, :, :s]}
 
     def _load(self, spec: KVSpec, length: int, sd: dict) -> None:
-        self.reset()
-        self._allocate(spec)
+        self.reset()  # a refused state leaves the layer empty
         s = length % self.r
-        for name, n, buf in zip(("krows", "vrows", "rk", "rv"), (*[(length - s) // self.g] * 2, s, s), self._buffers()):
-            t, shape = sd.get(name), (*buf.shape[:2], n, buf.shape[3])
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != buf.dtype:
-                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-                self.reset()
-                raise CacheError(f"state of a {self.kind} layer: {name} should be {shape} {buf.dtype}, got {got}")
-            buf[:, :, : shape[2]].copy_(t)
-        self.position.fill_(length)
-        self.length = length
+        counts = (*[(length - s) // self.g] * 2, s, s)  # packed rows, rows, residual tokens, tokens
+        held = [held_tensor(sd, name, (*shape[:2], n, shape[3]), dtype, self.kind)
+                for name, n, (shape, dtype) in zip(("krows", "vrows", "rk", "rv"), counts, self._shapes(spec))]
+        self._refill(spec, held, length)
