@@ -47,8 +47,6 @@ What a past means (``TieredCache.from_legacy`` / ``to_legacy``):
 
 from __future__ import annotations
 
-import torch
-
 from tiercache.errors import CacheError
 from tiercache.layers.spec import check_pair
 from tiercache.models.spec import SIDE_STATE_TYPES, ModelSpec
@@ -136,15 +134,7 @@ def fill(cache, past, seen: int) -> None:
     for i, (key, value) in enumerate(past):
         if key is None or cache.model.kv_sharing(i) == "reuse":
             continue
-        _load(cache, i, key, value, seen)
-
-
-def _load(cache, i: int, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
-    """One layer, one bulk load; a refusal names the layer."""
-    try:
-        cache.layers[i].ingest(key, value, seen)
-    except CacheError as e:
-        raise CacheError(f"layer {i}: {e}") from e
+        cache._on(i, lambda layer: layer.ingest(key, value, seen))  # one bulk load; a refusal names the layer
 
 
 def _check_no_states(states, sides, what: str) -> None:
