@@ -54,12 +54,17 @@ from tiercache.errors import PolicyError
 from tiercache.planner.chainspec import ChainSpec, spec_for
 from tiercache.layers.base import KVLayer
 from tiercache.layers.buffer import CHUNK, capacity_for
+from tiercache.layers.cross import CrossAttention
 from tiercache.layers.full import FullLayer
 from tiercache.layers.sliding import SlidingLayer
 from tiercache.layers.static import StaticLayer
 from tiercache.layers.tiers import by_place, summed
 from tiercache.models.spec import INDEXED_TYPES, SIDE_STATE_TYPES
+from tiercache.offload.processor import Prefetcher, offloaded
 from tiercache.policy.schema import LayerPolicy
+from tiercache.quantize.blocks import Codec
+from tiercache.quantize.processor import Quantize
+from tiercache.quantize.static_layer import StaticQuantized, supported
 
 
 def make_storage(window: int | None = None, max_length: int | None = None, tier=None, chunk: int = CHUNK,
@@ -98,8 +103,6 @@ class Shared:
     @property
     def prefetcher(self):
         if self._prefetcher is None:
-            from tiercache.offload.processor import Prefetcher
-
             self._prefetcher = Prefetcher()
         return self._prefetcher
 
@@ -150,8 +153,6 @@ def _not_compiled(lp: LayerPolicy) -> str | None:
     if lp.offload is not None:
         return "offload; a compileable cache keeps every layer on the compute device (offload: null)"
     if lp.quantize is not None:
-        from tiercache.quantize.static_layer import supported
-
         why = supported(lp.quantize)
         return None if why is None else f"quantize {why} is not supported by the static quantized layer"
     return None
@@ -174,35 +175,24 @@ def build(spec: ChainSpec, shared: Shared | None = None) -> KVLayer:
     share; None builds a chain that shares nothing (a quantized layer returns fresh tensors, an
     offloaded one gets a prefetcher of its own)."""
     st = spec.store
+    q = spec.quantize
 
     def storage(tier=None) -> KVLayer:
         return make_storage(st.window, st.max_length, tier, st.chunk, st.padded, st.geometric)
 
-    if spec.quantize is not None and st.padded:  # only in a compiled cache (check_compiled)
-        from tiercache.quantize.blocks import Codec
-        from tiercache.quantize.static_layer import StaticQuantized
-
-        q = spec.quantize
+    if q is not None and st.padded:  # only in a compiled cache (check_compiled)
         layer = StaticQuantized(Codec(q.codec), q.residual_length, q.max_length)
     elif spec.offload is None:
         layer = storage()
     else:
-        from tiercache.offload.processor import offloaded
-
         prefetcher = (shared if shared is not None else Shared()).prefetcher
         layer = offloaded(storage, spec.offload, prefetcher, spec.index,
                           owned_outputs=spec.owned_outputs and spec.quantize is None)
-    if spec.quantize is not None and not st.padded:
-        from tiercache.quantize.blocks import Codec
-        from tiercache.quantize.processor import Quantize
-
-        q = spec.quantize
+    if q is not None and not st.padded:
         layer = Quantize(layer, Codec(q.codec), q.residual_length, q.sink_tokens, window=q.window,
                          max_length=q.max_length, shared=None if spec.owned_outputs else shared,
                          packed_attention=q.packed_attention and not spec.cross)
     if spec.cross:  # read back every step through .keys / .values
-        from tiercache.layers.cross import CrossAttention
-
         layer = CrossAttention(layer, fresh_reads=spec.quantize is not None)
     layer.policy = spec.policy  # each chain knows the LayerPolicy it was built from
     return layer

@@ -80,9 +80,10 @@ class IndexerKeys(SideState):
         return None if self._buf is None else self._buf[:, :self.length]  # [B, S, D]
 
     # -- the SideState protocol -----------------------------------------------------------------
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The whole buffer (``nbytes`` counts allocated bytes, spare capacity included) and the positions."""
-        out = {} if self._buf is None else {"keys": self._buf}
+    def tensors(self, held: bool = False) -> dict[str, torch.Tensor]:
+        """The whole buffer (``nbytes`` counts allocated bytes, spare capacity included; ``held``: the
+        keys it holds, what a state saves) and the positions."""
+        out = {} if self._buf is None else {"keys": self.keys if held else self._buf}
         if self.positions is not None:
             out["positions"] = self.positions
         return out
@@ -91,10 +92,7 @@ class IndexerKeys(SideState):
         return {"length": self.length}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {} if self._buf is None else {"keys": self.keys}  # what it holds, not the spare capacity
-        if self.positions is not None:
-            out["positions"] = self.positions
-        return out
+        return self.tensors(held=True)  # what it holds, not the spare capacity
 
     def load(self, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
         length = field(meta, "length", self.kind)

@@ -47,16 +47,15 @@ What a past means (``TieredCache.from_legacy`` / ``to_legacy``):
 
 from __future__ import annotations
 
-import torch
-
 from tiercache.errors import CacheError
+from tiercache.layers.spec import check_pair
 from tiercache.models.spec import SIDE_STATE_TYPES, ModelSpec
 from tiercache.policy.schema import Policy
 
 
 def build(cls, past, policy: Policy, model: ModelSpec, seq_length: int | None = None):
-    _check_no_states([model.states(i) for i in range(model.num_layers)], "from_legacy")
-    _check_no_side_states([t in SIDE_STATE_TYPES for t in model.layer_types], "from_legacy")
+    _check_no_states([model.states(i) for i in range(model.num_layers)],
+                     [t in SIDE_STATE_TYPES for t in model.layer_types], "from_legacy")
     if model.cross_attention:  # -> the EncoderDecoderCache of for_encoder_decoder, both halves filled
         halves = split(past, model)
         sizes = [check_past(halves[0], model, policy, seq_length)]
@@ -135,34 +134,21 @@ def fill(cache, past, seen: int) -> None:
     for i, (key, value) in enumerate(past):
         if key is None or cache.model.kv_sharing(i) == "reuse":
             continue
-        _load(cache, i, key, value, seen)
+        cache._on(i, lambda layer: layer.ingest(key, value, seen))  # one bulk load; a refusal names the layer
 
 
-def _load(cache, i: int, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
-    """One layer, one bulk load; a refusal names the layer."""
-    try:
-        cache.layers[i].ingest(key, value, seen)
-    except CacheError as e:
-        raise CacheError(f"layer {i}: {e}") from e
-
-
-def _check_no_states(counts, what: str) -> None:
-    if any(counts):
-        raise CacheError(f"{what}: this model's layers {[i for i, n in enumerate(counts) if n]} keep conv / recurrent "
-                         "states (a hybrid or recurrent model), which legacy (key, value) tuples cannot carry; use "
-                         "save / load or fork instead")
-
-
-def _check_no_side_states(flags, what: str) -> None:
-    if any(flags):
-        raise CacheError(f"{what}: this model's layers {[i for i, f in enumerate(flags) if f]} keep a side state beside "
-                         "their K/V (sparse attention's indexer keys, DeepSeek-V4's compressor state), which legacy "
-                         "(key, value) tuples cannot carry; use save / load or fork instead")
+def _check_no_states(states, sides, what: str) -> None:
+    """Refuse layers that keep conv / recurrent states (``states``: counts) or a side state (``sides``: flags)."""
+    for flags, kept in ((states, "conv / recurrent states (a hybrid or recurrent model)"), (sides, "a side state "
+                        "beside their K/V (sparse attention's indexer keys, DeepSeek-V4's compressor state)")):
+        if any(flags):
+            raise CacheError(f"{what}: this model's layers {[i for i, f in enumerate(flags) if f]} keep {kept}, which "
+                             "legacy (key, value) tuples cannot carry; use save / load or fork instead")
 
 
 def export(layers) -> tuple:
-    _check_no_states([getattr(layer, "states", 0) for layer in layers], "to_legacy")
-    _check_no_side_states([hasattr(layer, "side") for layer in layers], "to_legacy")
+    _check_no_states([getattr(layer, "states", 0) for layer in layers], [hasattr(layer, "side") for layer in layers],
+                     "to_legacy")
     held = []
     for layer in layers:
         kv = layer.export()  # [B, H, S, D] views of storage for some layers: a legacy tuple is a copy
@@ -180,21 +166,12 @@ def _check_pair(i: int, pair, model: ModelSpec) -> int | None:
     key, value = pair
     if key is None and value is None and model.kv_sharing(i) == "reuse":
         return None
-    for name, t in (("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise CacheError(f"from_legacy: layer {i}: {name} is a {type(t).__name__}, expected a torch.Tensor "
-                             "[batch, heads, tokens, head_dim]")
-        if t.dim() != 4:
-            raise CacheError(f"from_legacy: layer {i}: {name} has shape {tuple(t.shape)}, expected 4 dimensions "
-                             "[batch, heads, tokens, head_dim]")
-        if not t.is_floating_point():
-            raise CacheError(f"from_legacy: layer {i}: {name} is {t.dtype}, expected a floating point dtype")
-    if key.shape[:3] != value.shape[:3]:
-        raise CacheError(f"from_legacy: layer {i}: key {tuple(key.shape)} and value {tuple(value.shape)} differ in "
-                         "batch, heads or tokens")
-    if key.dtype != value.dtype or key.device != value.device:
-        raise CacheError(f"from_legacy: layer {i}: key ({key.dtype}, {key.device}) and value ({value.dtype}, "
-                         f"{value.device}) must share dtype and device")
+    try:
+        check_pair(key, value)
+    except CacheError as e:
+        raise CacheError(f"from_legacy: layer {i}: {e}") from None
+    if not key.is_floating_point():
+        raise CacheError(f"from_legacy: layer {i}: key is {key.dtype}, expected a floating point dtype")
     heads, key_dim, value_dim = model.kv_shape(i)
     if (key.shape[1], key.shape[3], value.shape[3]) != (heads, key_dim, value_dim):
         raise CacheError(f"from_legacy: layer {i}: got {key.shape[1]} heads, key dim {key.shape[3]}, value dim "

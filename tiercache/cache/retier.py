@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from tiercache.cache.chain import Shared, build_layer, build_layers, check_compiled, compileable
 from tiercache.errors import CacheError, PolicyError
+from tiercache.layers.base import move_state
 from tiercache.policy.schema import load_policy
 
 
@@ -134,14 +135,7 @@ def _apply(cache, policy, targets):
 def _move(old, new, where: str) -> None:
     """Move ``old``'s state into the empty chain ``new`` (a function: its temporaries die here)."""
     try:
-        if old.record_past:  # first: a recording sliding layer ingests all it is given, not window - 1
-            new.set_recording(True)
-        if new.can_adopt(old):  # the same block format (packed blocks move as they are), or host copy to host copy
-            new.adopt(old)
-        else:
-            held = old.export()
-            if held is not None:
-                new.ingest(*held)
+        move_state(old, new)
     except CacheError as e:
         new.close()
         raise CacheError(f"{where}: {e}") from e

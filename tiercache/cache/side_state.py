@@ -42,7 +42,7 @@ import torch
 
 from tiercache.cache.accounting import by_place, plus_device, summed
 from tiercache.errors import CacheError
-from tiercache.layers.base import KVLayer, check_crop
+from tiercache.layers.base import KVLayer, check_crop, move_state
 from tiercache.layers.delegating import Delegating
 from tiercache.layers.state import expect, nest, part
 
@@ -256,12 +256,5 @@ class WithSideState(Delegating):
         if not self.can_adopt(other):
             raise CacheError(f"adopt: a {type(other).__name__} cannot move into a {type(self).__name__} "
                              f"({self.side.kind})")
-        if other.recording:
-            self.inner.set_recording(True)
-        if self.inner.can_adopt(other.inner):
-            self.inner.adopt(other.inner)
-        else:
-            held = other.inner.export()
-            if held is not None:
-                self.inner.ingest(*held)
+        move_state(other.inner, self.inner, other.recording)
         self.side, other.side = other.side, type(other.side).empty_like(other.side)

@@ -112,16 +112,13 @@ class RecurrentState(SideState):
             if flags[i]:
                 store[i] = store[i].index_select(0, idx.to(store[i].device))
 
-    def _any(self) -> bool:
-        return bool(self.tensors())
-
     def validate_crop(self, n: int) -> None:
-        if self._any() and not self.layer.record_past:
+        if self.tensors() and not self.layer.record_past:
             raise CacheError("crop: a conv / recurrent state cannot be rolled back unless it was recording "
                              "(activate_past_recording() before the updates to roll back; transformers refuses too)")
 
     def crop(self, n: int) -> None:
-        if self._any():
+        if self.tensors():
             self.layer.crop(-n)
 
     @property

@@ -108,7 +108,8 @@ protocols and every hook goes to ``inner`` unchanged, and a wrapper states only 
 Class attributes: ``is_sliding``, ``is_compileable``, ``max_length()`` (-1 when unbounded).
 
 Checks shared by layers and the cache: ``check_crop``, ``check_batch_indices``, ``check_repeats``
-(an update's: ``tiercache.layers.validate``).
+(an update's: ``tiercache.layers.validate``). ``move_state(old, new)``: one chain's state into
+another (``adopt`` when it can, else ``ingest(*export())``): retier, and a side-state layer's ``adopt``.
 
 ``record_past`` is transformers' layer attribute for that mode: reading it says whether the layer
 records (``recording``, False unless a layer defines it), and assigning it calls
@@ -287,6 +288,21 @@ class KVLayer(Lifecycle):
 
     def close(self) -> None:
         """Hook: release files and buffers for good."""
+
+
+def move_state(old: KVLayer, new: KVLayer, recording: bool | None = None) -> None:
+    """``new`` takes ``old``'s state: as held (``adopt``: the same block format, packed blocks move as
+    they are, or host copy to host copy) when it can, else ``ingest(*old.export())``. Recording
+    (``recording``, default ``old.record_past``) is set first: a recording sliding layer ingests all
+    it is given, not ``window - 1``."""
+    if old.record_past if recording is None else recording:
+        new.set_recording(True)
+    if new.can_adopt(old):
+        new.adopt(old)
+    else:
+        held = old.export()
+        if held is not None:
+            new.ingest(*held)
 
 
 def check_crop(n: int, seq_length: int) -> int:

@@ -70,10 +70,6 @@ class Buffer:
             return {}
         return {self.tier.place(self.spec.device): nbytes_of(self.keys, self.values)}
 
-    def tier_nbytes(self) -> dict[str, int]:
-        """``nbytes()`` keyed by tier kind (``device`` / ``host`` / ``disk``) instead of place."""
-        return {self.tier.kind: n for n in self.nbytes().values()}
-
     def state_dict(self) -> dict:
         if self.spec is None:
             return {"spec": None}
@@ -235,6 +231,7 @@ class BufferedLayer(KVLayer):
     def nbytes(self) -> dict[str, int]:
         return self.buffer.nbytes()
 
-    def tier_nbytes(self) -> dict[str, int]:
-        return self.buffer.tier_nbytes()
+    def close(self) -> None:
+        self.reset()
+        self.tier.close()
 

@@ -33,10 +33,6 @@ class FullLayer(BufferedLayer):
         self.buffer.clear()
         self.buffer.reset_reserve()
 
-    def close(self) -> None:
-        self.buffer.clear()
-        self.buffer.tier.close()
-
     def state_dict(self) -> dict:
         return {"kind": "full", **nest("buffer.", self.buffer.state_dict())}
 

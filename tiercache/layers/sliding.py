@@ -99,10 +99,6 @@ class SlidingLayer(BufferedLayer):
         self.buffer.clear()
         self.seen = 0
 
-    def close(self) -> None:
-        self.reset()
-        self.buffer.tier.close()
-
     def state_dict(self) -> dict:
         return {"kind": "sliding", "window": self.window, "seen": self.seen, "recording": self.recording,
                 **nest("buffer.", self.buffer.state_dict())}

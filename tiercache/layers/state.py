@@ -78,15 +78,19 @@ def field(sd: dict, name: str, kind: str, type_=int):
     return v
 
 
+def held_tensor(sd: dict, name: str, shape: tuple, dtype: torch.dtype, kind: str) -> torch.Tensor:
+    """The tensor ``sd[name]``, checked to be of ``shape`` and ``dtype``."""
+    t = sd.get(name)
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+        raise CacheError(f"state of a {kind} layer: {name} should be {tuple(shape)} {dtype}, got {got}")
+    return t
+
+
 def held_pair(sd: dict, spec: KVSpec, tokens: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The held ``keys`` / ``values`` of a state, ``[B, H, tokens, D]`` as ``spec`` says."""
-    k, v = sd.get("keys"), sd.get("values")
-    for name, t, dim in (("keys", k, spec.key_dim), ("values", v, spec.value_dim)):
-        want = (spec.batch, spec.heads, tokens, dim)
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != spec.dtype:
-            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-            raise CacheError(f"state of a {kind} layer: {name} should be {want} {spec.dtype}, got {got}")
-    return k, v
+    return tuple(held_tensor(sd, name, (spec.batch, spec.heads, tokens, dim), spec.dtype, kind)
+                 for name, dim in (("keys", spec.key_dim), ("values", spec.value_dim)))
 
 
 def check_ingest(key, value, seen, kind: str, whole: bool) -> KVSpec:

@@ -184,13 +184,16 @@ class StaticLayer(KVLayer):
         self._fill(spec, *held_pair(sd, spec, length, self.kind))
 
     def _fill(self, spec: KVSpec, key: torch.Tensor, value: torch.Tensor) -> None:
+        self._refill(spec, [key, value], key.shape[2])
+
+    def _refill(self, spec: KVSpec, held: list[torch.Tensor], count: int) -> None:
+        """New buffers for ``spec``, each starting with its tensor of ``held``; ``count`` tokens held."""
         self.reset()
         self._allocate(spec)
-        n = key.shape[2]
-        self.k[:, :, :n].copy_(key)
-        self.v[:, :, :n].copy_(value)
-        self.position.fill_(n)
-        self.length = n
+        for buf, t in zip(self._buffers(), held):
+            buf[:, :, : t.shape[2]].copy_(t)
+        self.position.fill_(count)
+        self.length = count
 
     def _shapes(self, s: KVSpec) -> list[tuple[tuple, torch.dtype]]:
         """(shape, dtype) of each buffer of ``_buffers()`` for ``s``."""
@@ -225,12 +228,5 @@ class StaticLayer(KVLayer):
 
     def _regather(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (select, repeat_interleave): new buffers (the batch changes)."""
-        count = self.length
         held = [t.index_select(0, index.to(t.device)) for t in self._buffers()]
-        spec = self.spec.with_batch(index.numel())
-        self.reset()
-        self._allocate(spec)
-        for buf, t in zip(self._buffers(), held):
-            buf.copy_(t)
-        self.position.fill_(count)
-        self.length = count
+        self._refill(self.spec.with_batch(index.numel()), held, self.length)

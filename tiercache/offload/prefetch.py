@@ -108,12 +108,8 @@ class Prefetcher:
         self.current: int | None = None
         self.streams: dict = {}  # stream device -> its side stream, made at its first use
         self._next_key = 0
-        self.bytes_h2d = 0
-        self.bytes_d2h = 0
-        self.fetches = 0
-        self.side_fetches = 0
-        self.skipped_fetches = 0
-        self.host_waits = 0
+        for name in COUNTERS:  # bytes_h2d, bytes_d2h, fetches, ...: read by stats()
+            setattr(self, name, 0)
 
     # -- registry ---------------------------------------------------------------------------
     def register(self, layer, index: int) -> int:

@@ -257,14 +257,7 @@ class Offload(Delegating):
         self.staged.clear()
         self.device = device  # the setter stores it canonical (``cuda`` -> ``cuda:0``)
 
-    def export(self):
-        """The host copy, on the compute device (a copy there when that is not the CPU)."""
-        self._settle()
-        held = self.inner.export()
-        if held is None or self.device is None or held[0].device == self.device:
-            return held
-        k, v, seen = held
-        return k.to(self.device), v.to(self.device), seen
+    export = KVLayer.export  # ``kv()``: a copy of the host copy on the compute device, with ``seq_length()``
 
     def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
         check_pair(key, value)

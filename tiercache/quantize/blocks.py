@@ -3,7 +3,7 @@
 Interface
     Codec(spec: CodecSpec)     a layer's block format (``quantize/codec.py``) and its backends
         for_kv(key_dim, value_dim, dtype) -> (BlockCodec, BlockCodec)   made at the first update
-        row_bytes(head_dim, which, dtype_bytes)                         the row layout's size
+        spec.row_bytes(head_dim, which, dtype_bytes)                    the row layout's size
         backends               {"keys": backend, "values": backend} (their bits may differ: ``key_bits``)
         equal when the specs are (the same block format)
     BlockCodec(backend, group_size, head_dim, axis, dtype, meta_bits=None, gain=1.0)
@@ -133,9 +133,6 @@ class Codec:
                                 self.spec.axis_of(which), dtype, self.spec.meta_bits,
                                 self.spec.key_gain if which == "keys" else 1.0)
                      for which, dim in (("keys", key_dim), ("values", value_dim)))
-
-    def row_bytes(self, head_dim: int, which: str, dtype_bytes: int) -> int:
-        return self.spec.row_bytes(head_dim, which, dtype_bytes)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Codec) and other.spec == self.spec

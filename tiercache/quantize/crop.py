@@ -19,6 +19,23 @@ from tiercache.errors import CacheError
 from tiercache.layers.base import check_crop
 
 
+def _crop_into_blocks(q, n: int) -> None:
+    """Drop the blocks the crop reaches; the kept head of the cut block goes back to the residual."""
+    drop, keep, blocks, have = _crop_blocks(q, n)
+    restored = None
+    if keep:
+        at = have - drop
+        restored = [torch.empty((*b.shape[:2], q.g, d), dtype=q.spec.dtype, device=b.device)
+                    for b, d in zip(blocks, (q.spec.key_dim, q.spec.value_dim))]  # [B, H, G, D]
+        for codec, b, out in zip(q.codecs, blocks, restored):
+            codec.decode_plain(b[:, :, at : at + 1], out)  # back to the residual as given
+    q.store.crop(drop)  # raises (nothing changed yet) when the store cannot
+    q.residual.clear()
+    if restored is not None:
+        device = q.spec.device
+        q.residual.replace(0, restored[0][:, :, :keep].to(device), restored[1][:, :, :keep].to(device))
+
+
 def validate(q, n: int) -> None:
     n = check_crop(n, q.seen)  # past the start: every token (transformers empties the layer)
     after = q.seen - len(q.sinks)  # tokens after the sinks; a crop past them takes sinks too
@@ -64,33 +81,15 @@ def crop(q, n: int) -> None:
 
 
 def _crop_after_sinks(q, n: int) -> None:
-    held = len(q.residual)
     if n and n == q.seen - len(q.sinks):  # everything after the sinks, whatever a window dropped
         if q.stored:
             q.store.crop(q.store.seq_length())
         q.residual.clear()
-        q.seen -= n
-        q.recorded = 0
-        return
-    if n <= held:
+    elif n <= len(q.residual):
         if q.stored:
             q.store.crop(0)  # a sliding store trims what it kept for a rollback
         q.residual.truncate(n)
-        q.seen -= n
-        q.recorded = 0
-        return
-    drop, keep, blocks, have = _crop_blocks(q, n)
-    restored = None
-    if keep:
-        at = have - drop
-        restored = [torch.empty((*b.shape[:2], q.g, d), dtype=q.spec.dtype, device=b.device)
-                    for b, d in zip(blocks, (q.spec.key_dim, q.spec.value_dim))]  # [B, H, G, D]
-        for codec, b, out in zip(q.codecs, blocks, restored):
-            codec.decode_plain(b[:, :, at : at + 1], out)  # back to the residual as given
-    q.store.crop(drop)  # raises (nothing changed yet) when the store cannot
-    q.residual.clear()
-    if restored is not None:
-        device = q.spec.device
-        q.residual.replace(0, restored[0][:, :, :keep].to(device), restored[1][:, :, :keep].to(device))
+    else:
+        _crop_into_blocks(q, n)
     q.seen -= n
     q.recorded = 0

@@ -64,9 +64,7 @@ class Packed:
 def _parts(rows: torch.Tensor, codec):
     """(codes, scale, offset) of ``rows``: scale / offset float32 in the codec's ``meta_shape``
     (``[B, H, N, 1, D]`` per channel, ``[B, H, N, G, n, 1]`` per token); offset None for fp8."""
-    codes, scale, offset = codec._parts(rows)
-    if codec.meta8:
-        scale, offset = metacodes.rebuild(scale)
+    codes, scale, offset = raw_parts(rows, codec)
     return codes, scale.float(), None if offset is None else offset.float()
 
 

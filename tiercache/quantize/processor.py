@@ -89,11 +89,13 @@ from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer
 from tiercache.layers.delegating import Delegating
 from tiercache.layers.spec import KVSpec
+from tiercache.layers.tiers import summed
 from tiercache.policy.schema import QuantizePolicy
 from tiercache.quantize import crop as quantize_crop, state as quantize_state
 from tiercache.quantize.blocks import BlockCodec, Codec
 from tiercache.quantize.finite import FiniteGuard, describe
 from tiercache.quantize.geometry import flush_split, kept_sinks, static_rows, store_window
+from tiercache.quantize.packed_kv import decode_pair
 from tiercache.quantize.residual import Residual
 
 __all__ = ["Quantize", "flush_split", "PACKED_QUERIES"]
@@ -174,7 +176,7 @@ class Quantize(Delegating):
                 blocks = blocks[0].narrow(2, 0, n), blocks[1].narrow(2, 0, n)
         visible = None if self.window is None else self.window - 1 + t
         if self.packed_attention and blocks is not None and t + sink <= PACKED_QUERIES:
-            out = self._packed(blocks, (key, value), visible)  # a decode step: attention reads the codes
+            out = decode_pair(self, blocks, (key, value), visible)  # a decode step: PackedKV, attention reads the codes
         else:  # a packed layer's other updates (prefill, long steps) get fresh tensors: the workspace is the fallback's
             out = self._assemble(blocks, (key, value), visible, workspace=not self.packed_attention)
         rest = flush - taken  # new tokens that stay in the residual start here
@@ -200,11 +202,8 @@ class Quantize(Delegating):
     def max_length(self) -> int:
         return self.window if self.window is not None else (self.limit if self.limit is not None else -1)
 
-    def validate_crop(self, n: int) -> None:
-        quantize_crop.validate(self, n)
-
-    def crop(self, n: int) -> None:
-        quantize_crop.crop(self, n)
+    validate_crop = quantize_crop.validate  # (tiercache.quantize.crop)
+    crop = quantize_crop.crop
 
     def gather(self, index: torch.Tensor) -> None:
         """Batch rows ``index`` of the packed blocks, then of the residual and sinks."""
@@ -250,23 +249,14 @@ class Quantize(Delegating):
         return (k, v) if k.shape[2] else None
 
     def tier_nbytes(self) -> dict[str, int]:
-        out = dict(self.store.tier_nbytes())
-        for size in (*self.residual.nbytes().values(), *self.sinks.nbytes().values()):
-            out["device"] = out.get("device", 0) + size
-        return out
+        exact = [{"device": n} for n in (*self.residual.nbytes().values(), *self.sinks.nbytes().values())]
+        return summed([self.store.tier_nbytes(), *exact])  # the residual and sinks: on the compute device
 
     # -- lifecycle (tiercache.quantize.state) ------------------------------------------
-    def state_dict(self) -> dict:
-        return quantize_state.state_dict(self)
-
-    def load_state_dict(self, sd: dict) -> None:
-        quantize_state.load_state_dict(self, sd)
-
-    def export(self):
-        return quantize_state.export(self)
-
-    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
-        quantize_state.ingest(self, key, value, seen)
+    state_dict = quantize_state.state_dict
+    load_state_dict = quantize_state.load_state_dict
+    export = quantize_state.export
+    ingest = quantize_state.ingest
 
     @property
     def config(self) -> QuantizePolicy:
@@ -280,15 +270,10 @@ class Quantize(Delegating):
         return (isinstance(other, Quantize) and other.codec == self.codec and other.r == self.r
                 and other.n_sinks == self.n_sinks)
 
-    def adopt(self, other: "Quantize") -> None:
-        """Take ``other``'s state as held (same block format): packed blocks move, never re-quantized."""
-        quantize_state.adopt(self, other)
+    adopt = quantize_state.adopt  # the state as held (same block format): packed blocks move, not re-quantized
 
     def nbytes(self) -> dict[str, int]:
-        out = dict(self.store.nbytes())
-        for place, size in (*self.residual.nbytes().items(), *self.sinks.nbytes().items()):
-            out[place] = out.get(place, 0) + size
-        return out
+        return summed([self.store.nbytes(), self.residual.nbytes(), self.sinks.nbytes()])
 
     def set_recording(self, on: bool) -> None:
         self.store.set_recording(on)
@@ -312,12 +297,6 @@ class Quantize(Delegating):
             n -= first
             skip -= first * g
         return blocks, n, skip
-
-    def _packed(self, blocks, new, visible: int | None):
-        """A decode step's ``PackedKV`` pair (``quantize/packed_kv.py``: ``decode_pair``)."""
-        from tiercache.quantize.packed_kv import decode_pair
-
-        return decode_pair(self, blocks, new, visible)
 
     def _assemble(self, blocks, new, visible: int | None, workspace: bool = True, remember: bool = True,
                   residual=False):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tiercache.layers.state import held_pair
-from tiercache.layers.tiers import place_of
+from tiercache.layers.tiers import by_place
 
 
 class Residual:
@@ -61,8 +61,7 @@ class Residual:
     def nbytes(self) -> dict[str, int]:
         if self.keys is None:
             return {}
-        size = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-        return {place_of(self.keys.device): size}
+        return by_place([self.keys, self.values])
 
     def state_dict(self) -> dict:
         return {"keys": self.keys, "values": self.values}

@@ -44,6 +44,7 @@ slid-out ones not at all (docs/compat.md, "A quantized sliding layer: one rule")
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -77,13 +78,10 @@ def load_state_dict(q, sd: dict) -> None:
     if spec is None:
         q.store.load_state_dict(part(sd, "store."))  # empty, but a sliding store's recording flag counts
         return
-    try:
+    with _emptied_on_error(q):
         q.residual.load_state_dict(part(sd, "residual."), spec)
         q.sinks.load_state_dict(part(sd, "sinks."), spec)
         q.store.load_state_dict(part(sd, "store."))
-    except CacheError:
-        q.reset()
-        raise
     q.spec, q.codecs, q.seen, q.stored = spec, q._codecs(spec), seen, stored
     q.recorded = min(max(int(sd.get("recorded", 0)), 0), seen)  # (absent in states saved before it)
 
@@ -144,17 +142,24 @@ def ingest(q, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
     key, value = key.narrow(2, key.shape[2] - need, need), value.narrow(2, value.shape[2] - need, need)
     codecs = q._codecs(spec)
     q.reset()
-    try:
+    with _emptied_on_error(q):
         if total:
             rows = [_encode(c, t.narrow(2, 0, kept * g), g) for c, t in zip(codecs, (key, value))]  # [B, H, N, row]
             q.store.ingest(rows[0], rows[1], total)
         q.residual.replace(0, key.narrow(2, kept * g, r), value.narrow(2, kept * g, r))
         if sinks:
             q.sinks.replace(0, sink_k, sink_v)
+    q.spec, q.codecs, q.seen, q.stored, q.recorded = spec, codecs, seen + sinks, bool(total), recorded
+
+
+@contextlib.contextmanager
+def _emptied_on_error(q):
+    """A refusal (``CacheError``) inside the block leaves the layer empty, as new."""
+    try:
+        yield
     except CacheError:
         q.reset()
         raise
-    q.spec, q.codecs, q.seen, q.stored, q.recorded = spec, codecs, seen + sinks, bool(total), recorded
 
 
 def _recorded(q, given: int, seen: int) -> int:
@@ -175,7 +180,7 @@ def adopt(q, other) -> None:
     host_to_host = other.stored and q.store.can_adopt(other.store)  # both offloaded: rows never reach the device
     rows = other.store.export() if other.stored and not host_to_host else None  # packed rows [B, H, N, row], blocks seen
     q.reset()
-    try:
+    with _emptied_on_error(q):
         if host_to_host:
             q.store.adopt(other.store)
         elif rows is not None:
@@ -184,9 +189,6 @@ def adopt(q, other) -> None:
             q.residual.replace(0, *other.residual.view())
         if len(other.sinks):
             q.sinks.replace(0, *other.sinks.view())
-    except CacheError:
-        q.reset()
-        raise
     q.spec, q.codecs, q.seen, q.stored = other.spec, q._codecs(other.spec), other.seen, other.stored
     q.recorded = other.recorded
 

@@ -56,7 +56,7 @@ import torch
 from tiercache.errors import CacheError
 from tiercache.layers.base import check_crop
 from tiercache.layers.spec import KVSpec
-from tiercache.layers.state import check_ingest
+from tiercache.layers.state import held_tensor
 from tiercache.layers.static import StaticLayer, mark_static
 from tiercache.quantize.blocks import BlockCodec, Codec
 
@@ -80,10 +80,6 @@ def supported(q) -> str | None:
     return None
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 class StaticQuantized(StaticLayer):
     kind = "static_quantized"
     is_compileable = True
@@ -103,13 +99,13 @@ class StaticQuantized(StaticLayer):
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = key.shape[2]
         if self.spec is None:
-            if _compiling():
+            if torch.compiler.is_compiling():
                 raise CacheError("static quantized layer: the first update (prefill) must run eagerly, "
                                  "outside torch.compile (transformers' generate does)")
             self._allocate(KVSpec.read(key, value))
         if t == 1:
             return self._step(key, value)
-        if _compiling():
+        if torch.compiler.is_compiling():
             raise CacheError(f"static quantized layer: an update of {t} tokens under torch.compile; only one-token "
                              "decode steps are compiled, multi-token updates (prefill) run eagerly")
         self.surface()
@@ -190,7 +186,7 @@ class StaticQuantized(StaticLayer):
     def seq_length(self):
         """Tokens seen: the host count eagerly (read from the device only after compiled steps),
         the device counter itself under compile."""
-        if self.position is not None and not _compiling():
+        if self.position is not None and not torch.compiler.is_compiling():
             self.surface()
         return self.length
 
@@ -228,13 +224,11 @@ class StaticQuantized(StaticLayer):
         return keys.clone(), values.clone()
 
     @torch.no_grad()
-    def ingest(self, key: torch.Tensor, value: torch.Tensor, seen: int) -> None:
-        """What one update of these tokens leaves (they are quantized by this layer's rule)."""
-        spec = check_ingest(key, value, seen, self.kind, whole=True)
-        self._room(seen)
+    def _fill(self, spec: KVSpec, key: torch.Tensor, value: torch.Tensor) -> None:
+        """``ingest``: what one update of these tokens leaves (quantized by this layer's rule)."""
         self.reset()
         self._allocate(spec)
-        if seen:
+        if key.shape[2]:
             self._bulk(key, value)
 
     # -- buffers ----------------------------------------------------------------------------------
@@ -266,15 +260,9 @@ class StaticQuantized(StaticLayer):
                 "rk": self.rk[:, :, :s], "rv": self.rv[:, :, :s]}
 
     def _load(self, spec: KVSpec, length: int, sd: dict) -> None:
-        self.reset()
-        self._allocate(spec)
+        self.reset()  # a refused state leaves the layer empty
         s = length % self.r
-        for name, n, buf in zip(("krows", "vrows", "rk", "rv"), (*[(length - s) // self.g] * 2, s, s), self._buffers()):
-            t, shape = sd.get(name), (*buf.shape[:2], n, buf.shape[3])
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != buf.dtype:
-                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
-                self.reset()
-                raise CacheError(f"state of a {self.kind} layer: {name} should be {shape} {buf.dtype}, got {got}")
-            buf[:, :, : shape[2]].copy_(t)
-        self.position.fill_(length)
-        self.length = length
+        counts = (*[(length - s) // self.g] * 2, s, s)  # packed rows, rows, residual tokens, tokens
+        held = [held_tensor(sd, name, (*shape[:2], n, shape[3]), dtype, self.kind)
+                for name, n, (shape, dtype) in zip(("krows", "vrows", "rk", "rv"), counts, self._shapes(spec))]
+        self._refill(spec, held, length)

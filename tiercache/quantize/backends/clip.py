@@ -27,7 +27,8 @@ SYMMETRIC = (0.9, 0.8, 0.7, 0.6, 0.5)  # range kept, shrunk toward its middle
 ONE_SIDED = (0.1, 0.2, 0.3, 0.4)  # fraction of the range cut from one end
 
 
-def _rounded(scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype):
+def rounded(scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype):
+    """``(scale, offset)`` rounded to ``dtype``, in float32; a zero scale (a constant group) becomes 1."""
     scale = scale.to(dtype).float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: codes 0, exact
     return scale, offset.to(dtype).float()
@@ -44,13 +45,13 @@ def search_affine(x: torch.Tensor, dim: int, bits: int, dtype: torch.dtype):
     top = 2**bits - 1
     lo, hi = xf.amin(dim=dim, keepdim=True), xf.amax(dim=dim, keepdim=True)
     span = hi - lo
-    best = _rounded(span / top, lo, dtype)  # min/max first: never worse than it
+    best = rounded(span / top, lo, dtype)  # min/max first: never worse than it
     err = group_error(xf, dim, bits, *best)
     mid = (lo + hi) / 2
     ranges = [(mid - c * span / 2, mid + c * span / 2) for c in SYMMETRIC]
     ranges += [(lo + f * span, hi) for f in ONE_SIDED] + [(lo, hi - f * span) for f in ONE_SIDED]
     for a, b in ranges:
-        cand = _rounded((b - a) / top, a, dtype)
+        cand = rounded((b - a) / top, a, dtype)
         best, err = _keep_better(xf, dim, bits, best, err, cand)
     return _keep_better(xf, dim, bits, best, err, _refit(xf, dim, bits, *best, dtype))[0]
 
@@ -72,4 +73,4 @@ def _refit(xf, dim, bits, scale, offset, dtype):
     s = torch.where(ok, (n * sqx - sq * sx) / torch.where(ok, det, torch.ones_like(det)), scale)
     o = torch.where(ok, (sx - s * sq) / n, offset)
     s = torch.where(s > 0, s, scale)
-    return _rounded(s, o, dtype)
+    return rounded(s, o, dtype)

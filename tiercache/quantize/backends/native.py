@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from tiercache.quantize.backends.clip import rounded, search_affine
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -24,9 +26,7 @@ def minmax_affine(x: torch.Tensor, dim: int, bits: int, dtype: torch.dtype):
     """Min-max ``(scale, offset)`` per group along ``dim``, rounded to ``dtype``, returned in float32."""
     lo = x.amin(dim=dim, keepdim=True).float()
     hi = x.amax(dim=dim, keepdim=True).float()
-    scale = ((hi - lo) / (2**bits - 1)).to(dtype).float()
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant group: codes 0, exact
-    return scale, lo.to(dtype).float()
+    return rounded((hi - lo) / (2**bits - 1), lo, dtype)
 
 
 class Native:
@@ -50,8 +50,6 @@ class Native:
         (``quantize/metacodes.py``), which then widen it and give the codes their scale."""
         lo, hi = x.amin(dim=dim, keepdim=True).float(), x.amax(dim=dim, keepdim=True).float()
         if self.clip == "mse":  # the searched range, never past the data (a constant group: lo == hi)
-            from tiercache.quantize.backends.clip import search_affine
-
             scale, offset = search_affine(x, dim, self.bits, torch.float32)
             return offset.maximum(lo), (offset + scale * (2**self.bits - 1)).minimum(hi)
         return lo, hi
@@ -70,8 +68,6 @@ class Native:
             codes = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
             return codes, scale, None
         if self.clip == "mse":
-            from tiercache.quantize.backends.clip import search_affine
-
             scale, offset = search_affine(x, dim, self.bits, x.dtype)
         else:
             scale, offset = minmax_affine(x, dim, self.bits, x.dtype)
