@@ -7,6 +7,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/builders.py: model builders
 
+# no test reaches the Hugging Face Hub: a name that is not on disk fails at once instead of after the
+# hub client's five retries (about 23 s without a network); set before huggingface_hub is imported
+# (it reads the variable once), and inherited by the processes tests start (HF_HUB_OFFLINE=0 overrides)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 # one intra-op thread per worker when pytest-xdist runs two (the machine has two cores)
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
