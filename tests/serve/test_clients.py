@@ -17,6 +17,8 @@ import pytest
 
 from tiercache.serve.launch import LiveServer
 
+pytestmark = pytest.mark.setup_seconds(30)  # orders the file (tests/conftest.py): a server, then litellm's and langchain's imports (seconds each)
+
 KEY = "sk-tiercache-test"
 MSGS = [{"role": "user", "content": "def fibonacci(n):"}]
 GREEDY = {"temperature": 0, "max_tokens": 20}
