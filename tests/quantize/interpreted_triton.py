@@ -21,6 +21,26 @@ import torch.nn.functional as F
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by tests/quantize/test_packed_triton.py with TRITON_INTERPRET=1", allow_module_level=True)
 triton = pytest.importorskip("triton")
+from triton.runtime import interpreter as _interpreter  # noqa: E402
+
+_patch_lang = getattr(_interpreter, "_patch_lang", None)  # an interpreter internal (triton 3.x)
+
+
+def _patch_lang_once(fn):
+    """The interpreter patches the language modules a function sees (``triton.language``, its
+    ``core``) for a launch, and again on each call of a ``@triton.jit`` helper inside it
+    (``inspect.getmembers`` over four modules, never undone): the kernels call their helpers once
+    per block, so the repeats were a sixth of the interpreter's time. A call whose modules are all
+    patched already (their ``load`` replaced) patches nothing: the same modules stay patched, the
+    same programs run."""
+    langs = [v for v in fn.__globals__.values() if v is triton.language or v is triton.language.core]
+    if langs and not any(triton.language.core.is_builtin(lang.load) for lang in langs):
+        return _interpreter._LangPatchScope()
+    return _patch_lang(fn)
+
+
+if _patch_lang is not None and hasattr(_interpreter, "_LangPatchScope"):
+    _interpreter._patch_lang = _patch_lang_once
 
 from tiercache.cache.chain import Shared  # noqa: E402
 from tiercache.policy.schema import QuantizePolicy  # noqa: E402

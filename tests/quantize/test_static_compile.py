@@ -82,6 +82,7 @@ def test_other_families_match_dynamic(family):
     assert_same(out, dynamic_generate(model, ids, q, 70))
 
 
+@pytest.mark.slow(seconds=30)  # an inductor compile (~28 s on two busy cores)
 def test_inductor_tokens_match_dynamic():
     """One real compilation (inductor: the dequantize fused into the step), greedy tokens equal."""
     model, tok = load_model("tiny")

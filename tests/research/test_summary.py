@@ -96,6 +96,7 @@ def run_script(*args, cwd):
                           timeout=300, cwd=cwd, env={**os.environ, "PYTHONPATH": path})
 
 
+@pytest.mark.slow(seconds=30)  # the script end to end in a fresh process (~27 s on two busy cores)
 def test_script(tmp_path):
     a, r = tmp_path / "a.json", tmp_path / "r.json"
     (tmp_path / "mine.yaml").write_text("name: mine\nquantize: {backend: native, bits: 2, group_size: 64}\n")

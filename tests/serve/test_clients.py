@@ -8,6 +8,7 @@ that adds, drops or rewrites a field shows up as a different answer."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import httpx
@@ -16,12 +17,16 @@ import pytest
 
 from tiercache.serve.launch import LiveServer
 
+pytestmark = pytest.mark.setup_seconds(30)  # orders the file (tests/conftest.py): a server, then litellm's and langchain's imports (seconds each)
+
 KEY = "sk-tiercache-test"
 MSGS = [{"role": "user", "content": "def fibonacci(n):"}]
 GREEDY = {"temperature": 0, "max_tokens": 20}
 
-pytest.importorskip("langchain_openai", reason="the clients extra: pip install 'tiercache[clients]'")
-pytest.importorskip("litellm", reason="the clients extra: pip install 'tiercache[clients]'")
+# looked up, not imported: the two packages take seconds to import, paid by the tests that use them
+# (after the server fixture has set their environment), not by every worker's collection
+if importlib.util.find_spec("langchain_openai") is None or importlib.util.find_spec("litellm") is None:
+    pytest.skip("the clients extra: pip install 'tiercache[clients]'", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

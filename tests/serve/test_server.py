@@ -16,6 +16,8 @@ import openai
 import pytest
 from tiercache.serve.launch import LiveServer as Server
 
+pytestmark = pytest.mark.setup_seconds(30)  # orders the file (tests/conftest.py): its module fixtures start servers (~15 s) before the first test
+
 GREEDY = {"temperature": 0, "max_tokens": 24}
 SAMPLED = {"temperature": 0.9, "top_p": 0.95, "max_tokens": 24}
 

@@ -11,6 +11,8 @@ import pytest
 
 from tiercache.serve.launch import LiveServer
 
+pytestmark = pytest.mark.setup_seconds(15)  # orders the file (tests/conftest.py): a server started by its fixture
+
 MiB = 2**20
 TURN = {"temperature": 0, "max_tokens": 24}
 

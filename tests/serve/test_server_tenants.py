@@ -12,6 +12,8 @@ import pytest
 from tiercache.cli import main
 from tiercache.serve.launch import LiveServer
 
+pytestmark = pytest.mark.setup_seconds(15)  # orders the file (tests/conftest.py): a server started by its fixture
+
 KEYS = {"alice": "sk-alice-7f3a9c", "bob": "sk-bob-51d2e8"}
 GREEDY = {"temperature": 0, "max_tokens": 16}
 

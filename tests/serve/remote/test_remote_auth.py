@@ -22,6 +22,8 @@ from tiercache.serve.remote.launch import self_signed
 from tiercache.serve.remote.tier import RemoteTier
 from tiercache.serve.tenants import Scope
 
+pytestmark = pytest.mark.setup_seconds(25)  # orders the file (tests/conftest.py): servers with other secrets: two servers started and compared (~17 s)
+
 C = 32
 FULL = Policy()
 

@@ -16,6 +16,8 @@ from redis_proc import start_redis
 from tiercache.serve.launch import LiveServer as Server
 from tiercache.serve.launch import free_port
 
+pytestmark = pytest.mark.setup_seconds(40)  # orders the file (tests/conftest.py): three servers and a Redis start in its fixture (~20 s); fault tests wait on timeouts
+
 GREEDY = {"temperature": 0, "max_tokens": 40}
 STORY = ("Write a function that reads a CSV file of orders (id, customer, amount, date), groups them by "
          "customer, and returns the total amount per customer for each month, sorted by customer name. "
