@@ -2,7 +2,8 @@
 # The long GPU run, after bench/gpu_quick.sh has passed: the CUDA tests, the long-context table at
 # 128k (bench/bench_longctx.py: 8B-shaped random bf16 model, chunked prefill, transformers' caches
 # and ours: prefill s, decode tok/s, peak device memory, 24 GB cap), planned vs measured memory and
-# the offload benchmark, the Triton kernel from 1k to 32k. Each step under its own `timeout` and
+# the offload benchmark, the Triton kernel from 1k to 32k, a sweep of its launch settings
+# (bench/tune_packed_triton.py, STEPS="tune" only: not in the default list). Each step under its own `timeout` and
 # with its own output file, so one hang or failure costs only that step; the steps' limits add up
 # to more than one 10-minute device call: STEPS picks some (e.g. STEPS="longctx128k" for one call,
 # then STEPS="memory offload triton"). Results in $OUT (default out/gpu).
@@ -43,7 +44,13 @@ for s in $STEPS; do
       else
         skip triton "triton is not installed"
       fi ;;
-    *) echo "gpu_suite.sh: unknown step $s (allowed: tests longctx128k memory offload triton)" >&2; exit 2 ;;
+    tune)
+      if "$PYTHON" -c "import triton" 2>/dev/null; then
+        step tune 240 tune-triton.md "$PYTHON" bench/tune_packed_triton.py --bits 4,2 "${DRYFLAG[@]}"
+      else
+        skip tune "triton is not installed"
+      fi ;;
+    *) echo "gpu_suite.sh: unknown step $s (allowed: tests longctx128k memory offload triton tune)" >&2; exit 2 ;;
   esac
 done
 finish

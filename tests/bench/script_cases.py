@@ -43,6 +43,11 @@ SCRIPTS = [
                  ["| 64 | attn | ", "| 96 | step | ", "largest |Triton - dequantize-then-SDPA|"], id="packed-triton",
                  marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                           reason="the triton extra")),
+    pytest.param("tune_packed_triton.py", ["--dry-run"],  # tiny shapes on the CPU: the sweep's table is printed
+                 ["### context 96, int4: shipped setting", "| programs / SM |", "| 4 | 1 | 4 | 1 |"],
+                 id="tune-packed-triton",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                          reason="the triton extra")),
     pytest.param("bench_serve.py", ["--conversations", "1", "--turns", "2", "--history", "200", "--max-tokens", "3",
                                     "--out", "out"],
                  ["| TTFT store (ms) |", "| 2 |", "answers identical in every turn: True", "bench_serve.png"], id="serve"),
@@ -79,7 +84,7 @@ SCRIPTS = [
 
 
 GROUPS = {
-    "core": ["family-sweep", "first-run-rss", "core", "quantize", "offload", "memory", "regrow", "packed-triton"],
+    "core": ["family-sweep", "first-run-rss", "core", "quantize", "offload", "memory", "regrow", "packed-triton", "tune-packed-triton"],
     "serving": ["serve", "load", "serve-load", "lifecycle"],
     "quality": ["real", "explore-schemes", "retrieval", "retrieval-needle-attention"],
 }

@@ -105,3 +105,19 @@ def test_profile_prefill_compares_the_worker_with_its_floor(tmp_path):
         assert text in out.stdout, f"{text!r} missing:\n{out.stdout[-3000:]}"
     # the worker's cache is reserved for the prompt: its prefill regrows (copies) nothing
     assert "worker: regrowth copied 0.0 MiB per prefill" in out.stdout, out.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_profile_turn_breaks_a_stored_turn_down(tmp_path):
+    import re
+
+    out = run("profile_turn.py", ["--model", "tiny", "--history", "300", "--turns", "2", "--turn-tokens", "4",
+                                  "--repeats", "1"], tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for text in ("| store: checkout (radix match, take / fork, retier) |", "| forward: attention kernel (SDPA) |",
+                 "| **time to first token** |", "next turn sent the moment the previous answer is done"):
+        assert text in out.stdout, f"{text!r} missing:\n{out.stdout[-3000:]}"
+    # the timed turns reuse the stored conversation: each next turn and the branch find it
+    for kind in ("next", "at once", "branch"):
+        prompt, cached = map(int, re.search(rf"  {kind} turn: (\d+) prompt tokens \((\d+) cached\)", out.stdout).groups())
+        assert 0 < cached < prompt, out.stdout[-3000:]

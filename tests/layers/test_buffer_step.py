@@ -54,6 +54,7 @@ def test_a_buffer_lent_a_slot_writes_into_it_and_after_detach_allocates_its_own(
     buf.append(k0, v0)
     slots[0][1, :, :4], slots[1][1, :, :4] = k0[0], v0[0]
     buf.lend(slots[0].narrow(0, 1, 1), slots[1].narrow(0, 1, 1), 4)
+    assert buf.lent and buf.own_capacity() == 8  # a copy of it takes its own room, not the slot's 16
     k, v = token(batch=1, seed=3)
     out_k, out_v = buf.append_view(k, v)
     assert torch.equal(out_k, torch.cat([k0, k], 2)) and torch.equal(out_v, torch.cat([v0, v], 2))
@@ -62,7 +63,7 @@ def test_a_buffer_lent_a_slot_writes_into_it_and_after_detach_allocates_its_own(
     assert out_k.data_ptr() == slots[0][1].data_ptr()
     buf.truncate(5)
     buf.detach()
-    assert buf.keys is None and len(buf) == 0 and buf.spec is not None
+    assert buf.keys is None and len(buf) == 0 and buf.spec is not None and not buf.lent
     out_k, _ = buf.append_view(k, v)
     assert torch.equal(out_k, k) and not shares(out_k, slots[0])
 

@@ -134,3 +134,51 @@ def test_the_model_keeps_its_attention_implementation():
     before = model.config._attn_implementation
     run_rows(model, [Row(TieredCache.from_policy(FULL, model.config), [5, 6, 7])])
     assert model.config._attn_implementation == before
+
+
+def test_a_step_that_samples_nothing_projects_no_token_and_stores_the_same_kv():
+    """Rows that only feed tokens (a finished request's closing step: its last token's K/V are
+    stored, no logits wanted) run the model but not its LM head; their caches hold what a plain
+    full-precision run of the same tokens holds."""
+    model = build("llama")
+    ids = prompts(seed=4)
+    caches = [TieredCache.from_policy(FULL, model.config) for _ in ids]
+    run_rows(model, [Row(c, i) for c, i in zip(caches, ids)])
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
+    try:
+        out = run_rows(model, [Row(c, [7], sample=False) for c in caches])
+    finally:
+        hook.remove()
+    assert seen == [0]
+    assert out.logits.shape == (0, model.config.vocab_size) and not out.failed
+    for cache, prompt in zip(caches, ids):
+        ref = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prompt + [7]]), **cache_arg(ref))
+        assert cache.get_seq_length() == len(prompt) + 1
+        for layer, want in zip(cache.layers, ref.layers):
+            torch.testing.assert_close(layer.kv()[0], want.keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(layer.kv()[1], want.values, atol=1e-5, rtol=0)
+
+
+def test_a_rows_attention_mask_is_made_once_per_step_and_attends_as_alone(monkeypatch):
+    """A prefill chunk's causal mask (``t x L``) has the same shape and positions at every layer:
+    it is made once per step and row, not once per layer, and the logits are still the run alone's."""
+    from tiercache.serve import batch as batch_mod
+
+    model = build("llama")
+    ids = prompts(seed=5)
+    made = []
+    real = batch_mod._mask
+    monkeypatch.setattr(batch_mod, "_mask", lambda *a: made.append(a[:3]) or real(*a))
+    caches = [TieredCache.from_policy(FULL, model.config) for _ in ids]
+    run_rows(model, [Row(c, i[:4]) for c, i in zip(caches, ids)])
+    made.clear()
+    out = run_rows(model, [Row(c, i[4:]) for c, i in zip(caches, ids)])  # chunks after a held prefix
+    assert sorted(made) == sorted((len(i) - 4, len(i), 4) for i in ids)  # once per row, not per layer
+    for row, prompt in enumerate(ids):
+        ref = DynamicCache()
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([prompt]), **cache_arg(ref)).logits[0, -1]
+        torch.testing.assert_close(out.logits[row], want, atol=1e-4, rtol=0)

@@ -319,3 +319,36 @@ def test_a_growth_whose_allocation_fails_leaves_the_space_as_it_was(monkeypatch)
     space.grow(4, 512)  # and a later growth works
     assert space.keys.shape[:3] == space.values.shape[:3] == (4, 2, 512)
     assert torch.equal(space.keys[:2, :, :128], before_k)
+
+
+def test_a_fork_of_a_lent_cache_takes_its_own_room_not_the_slots_padding():
+    """A short row lent a slot of a workspace padded to a long row: its fork (the ``n`` choices of
+    a request) holds the same tokens in the room a cache of its own takes for them (what the same
+    cache allocates once it leaves the workspace), not the slot's padded capacity."""
+    model = build("llama")
+    g = torch.Generator().manual_seed(3)
+    long_ids, short_ids = (torch.randint(3, 128, (n,), generator=g).tolist() for n in (700, 20))
+    caches = [TieredCache.from_policy(FULL, model.config) for _ in range(2)]
+    ws = StepWorkspace()
+    out = run_rows(model, [Row(caches[0], long_ids), Row(caches[1], short_ids)], ws)  # prefill: nothing lent
+    nxt = [int(t) for t in out.logits.argmax(-1)]
+    run_rows(model, [Row(caches[0], [nxt[0]]), Row(caches[1], [nxt[1]])], ws)  # both decode: lent
+    slot = ws._spaces[0].keys.shape[2]
+    assert slot > 700  # the short row's slot is padded to the long row
+    assert all(layer.buffer.capacity == slot for layer in caches[1].layers)  # lent: it reads its slot
+    fork = caches[1].fork()
+    ws.release(caches[1])  # the parent's tokens in memory of its own: the room a cache of its own takes
+    for mine, theirs in zip(fork.layers, caches[1].layers):
+        assert mine.buffer.capacity == theirs.buffer.capacity < slot
+        assert mine.buffer.capacity >= 21
+        assert not mine.buffer.lent and not theirs.buffer.lent
+        for a, b in zip(mine.kv(), theirs.kv()):
+            assert torch.equal(a, b)
+    assert fork.nbytes() == caches[1].nbytes()
+    # the fork decodes on as its parent does, and as the same tokens fed alone (plain full precision)
+    ref = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([short_ids + [nxt[1]]]), **cache_arg(ref))
+        want = model(input_ids=torch.tensor([[5]]), **cache_arg(ref)).logits[0, -1]
+        got = model(input_ids=torch.tensor([[5]]), **cache_arg(fork)).logits[0, -1]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

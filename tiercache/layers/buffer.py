@@ -16,7 +16,10 @@ prefill), so filling up to it copies nothing. Each regrowth's copy is counted by
 
 ``state_dict()`` is ``spec``, ``capacity`` and the held ``keys`` / ``values`` (views, ``[B, H, n,
 D]``); ``load_state_dict(sd)`` allocates the same capacity on this buffer's own tier and copies
-the held tokens in (so a loaded buffer reports the same ``nbytes()``).
+the held tokens in (so a loaded buffer reports the same ``nbytes()``). A buffer whose tensors are
+*lent* memory (``lent``: views of a step workspace's slot, ``tiercache.serve.workspace``) reports
+``own_capacity()`` instead: the room its tokens take in memory of their own, so a copy of it (a
+fork) allocates that, never the workspace's padding.
 
 The decode step (``append_view``: one token appended, every held token returned) is the hot path
 of a model's forward, once per layer: it makes four torch calls, the fewest the write allows.
@@ -81,6 +84,7 @@ class Buffer:
         self.values: torch.Tensor | None = None  # [B, H, capacity, Dv]
         self.start = 0
         self.end = 0
+        self.lent = False  # keys / values are views of memory it does not own (a workspace slot)
         self._geometry = None  # (capacity, B, H, Dk, Dv, key stride, value stride, positions): see _bind
 
     # -- reading ------------------------------------------------------------------------------
@@ -114,7 +118,15 @@ class Buffer:
         if self.spec is None:
             return {"spec": None}
         k, v = self.held()
-        return {"spec": spec_state(self.spec), "capacity": self.capacity, "keys": k, "values": v}
+        capacity = self.own_capacity() if self.lent else self.capacity
+        return {"spec": spec_state(self.spec), "capacity": capacity, "keys": k, "values": v}
+
+    def own_capacity(self) -> int:
+        """The capacity the held tokens take in memory of this buffer's own (what ``ingest`` of
+        them allocates: the regrowth rule, its reservation honoured)."""
+        if self.keys is None:
+            return 0
+        return self._capacity_for(len(self))
 
     def load_state_dict(self, sd: dict, kind: str) -> None:
         """Replace the held tokens by the state's (copied onto this tier); ``CacheError`` when the
@@ -207,14 +219,17 @@ class Buffer:
 
     def lend(self, keys: torch.Tensor, values: torch.Tensor, held: int) -> None:
         """Hold the first ``held`` tokens of memory another owns (``[B, H, C, D]`` views of the
-        spec's layout: a serve workspace slot), in place of this buffer's own; nothing is freed."""
+        spec's layout: a serve workspace slot), in place of this buffer's own; nothing is freed.
+        It is ``lent`` until it has memory of its own again (or none)."""
         self.keys, self.values, self.start, self.end = keys, values, 0, held
+        self.lent = True  # a copy of it (a fork) allocates its own room, not the lender's padding
         self._bind()
 
     def detach(self) -> None:
         """Let go of lent memory holding no token: no memory, the spec kept (nothing is freed)."""
         self.keys = self.values = None
         self.start = self.end = 0
+        self.lent = False
         self._bind()
 
     # -- internals ----------------------------------------------------------------------------
@@ -234,11 +249,13 @@ class Buffer:
         s = self.spec
         return self.tier.empty((batch, s.heads, capacity, dim), s.dtype, s.device)
 
-    def _regrow(self, needed: int) -> None:
+    def _capacity_for(self, needed: int) -> int:
         if needed <= self.reserved:
-            capacity = capacity_for(self.reserved, self.chunk)
-        else:
-            capacity = (grown_capacity if self.geometric else capacity_for)(needed, self.chunk)
+            return capacity_for(self.reserved, self.chunk)
+        return (grown_capacity if self.geometric else capacity_for)(needed, self.chunk)
+
+    def _regrow(self, needed: int) -> None:
+        capacity = self._capacity_for(needed)
         held = len(self)
         if self.keys is not None and capacity <= self.capacity and self.start > 0:
             # Room enough once the dropped front is reclaimed: slide the held tokens down.
@@ -259,6 +276,7 @@ class Buffer:
     def _replace(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
         old = (self.keys, self.values)
         self.keys, self.values = keys, values
+        self.lent = False  # its own memory (or none) from now on
         for t in old:
             if t is not None:
                 self.tier.free(t)

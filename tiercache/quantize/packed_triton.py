@@ -250,7 +250,8 @@ if triton is not None:
 # One software-pipeline stage: the default three buffer every load in shared memory, about 180 KB a
 # program at head dim 128 and 64-token blocks (over an A100's 164 KB); one needs about 45 KB
 # (checked by compiling for sm_80 / sm_90 in the tests). FP fusion: triton's default, said (3.9
-# warns when it is left unset). Not tuned on a GPU yet.
+# warns when it is left unset). Swept on an H200 (bench/tune_packed_triton.py: 2-16 programs per SM,
+# 2-8 warps, 1-3 stages at 4k and 32k): every setting within 3% of this one, so it stays.
 LAUNCH = {"num_warps": 4, "num_stages": 1, "enable_fp_fusion": True}
 
 

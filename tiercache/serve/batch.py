@@ -3,6 +3,7 @@
     rows = [Row(cache, [12, 7, 9], sample=True), Row(other_cache, [42]), ...]
     out = run_rows(model, rows, workspace)   # workspace: a StepWorkspace kept across steps (optional)
     out.logits      # [R, V] float32: the last token's logits of each row with ``sample=True``, in row order
+                    # (no row samples: ``[0, V]``, and the LM head projects no token)
     out.failed      # {row index: exception}: rows whose own part failed (their cache is then inconsistent)
 
 Design (the batch is a scheduling fact, not a cache fact; DESIGN.md, wave 3). The rows are
@@ -87,6 +88,7 @@ class PackedCache:
         self.layer = None  # the layer being run
         self.joined: tuple = ()  # rows of this layer in the workspace
         self._alone: dict[tuple, list] = {}  # joined rows -> the other rows (one list per set)
+        self.masks: dict[tuple, torch.Tensor | None] = {}  # a row's attention mask, made once per step (_attend)
 
     # transformers asks these of a cache; answered for the packed input as a whole
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -155,7 +157,8 @@ def packed_attention(module, query, key, value, attention_mask, *, scaling=None,
         k, v = batch.kv[i]  # [1, Hkv, L, D]
         q = query[:, :, a:b]  # [1, H, t, D]
         try:
-            out[:, a:b] = _attend(q, k, v, batch.positions[i], scaling, sliding_window, softcap).transpose(1, 2)
+            out[:, a:b] = _attend(q, k, v, batch.positions[i], scaling, sliding_window, softcap,
+                                  batch.masks).transpose(1, 2)
         except Exception as e:  # noqa: BLE001 - this row fails, the others go on
             batch.failed.setdefault(i, e)
             out[:, a:b] = 0
@@ -174,15 +177,24 @@ def _mask(t: int, length: int, position: int, window, device) -> torch.Tensor | 
     return mask
 
 
-def _attend(q, k, v, position, scaling, window, softcap):
-    """``[1, H, t, D]`` attention of ``q`` ``[1, H, t, D]`` over ``k``, ``v`` ``[1, Hkv, L, D]``."""
+def _attend(q, k, v, position, scaling, window, softcap, masks: dict | None = None):
+    """``[1, H, t, D]`` attention of ``q`` ``[1, H, t, D]`` over ``k``, ``v`` ``[1, Hkv, L, D]``.
+    ``masks``: where the mask is kept for the next layer of the same step (every layer of a row
+    has the same shape and positions; a long prefill chunk's mask is ``t x L``)."""
     _, heads, t, dim = q.shape
     length, groups = k.shape[2], q.shape[1] // k.shape[1]
-    mask = _mask(t, length, position, window, q.device)
+    folds = groups if softcap is None else 1
+    key = (t, length, position, window, folds, q.device)
+    if masks is not None and key in masks:
+        mask = masks[key]
+    else:
+        mask = _mask(t, length, position, window, q.device)
+        if mask is not None and folds > 1:
+            mask = mask.repeat(folds, 1)  # [g*t, L]: the folded query rows below
+        if masks is not None:
+            masks[key] = mask
     if softcap is None:  # the query heads sharing a K/V head folded into its query rows: one SDPA, no repeat
         folded = q.reshape(1, k.shape[1], groups * t, dim)  # [1, Hkv, g*t, D]
-        if mask is not None and groups > 1:
-            mask = mask.repeat(groups, 1)  # [g*t, L]
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scaling)
         return out.reshape(1, heads, t, dim)  # [1, Hkv, g*t, D] -> [1, H, t, D]: a GPU backend may lay it out head-last
     if groups > 1:
@@ -251,7 +263,8 @@ def run_rows(model, rows: list[Row], workspace: StepWorkspace | None = None) -> 
     batch = PackedCache(rows, spans, positions, workspace, step)
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, T]
     position_ids = torch.tensor([pos], dtype=torch.long, device=device)  # [1, T]
-    logits_to_keep = torch.tensor(keep or [len(ids) - 1], dtype=torch.long, device=device)  # [R]
+    # [R]; none (a step of closing rows only: their K/V are wanted, not their logits) skips the LM head
+    logits_to_keep = torch.tensor(keep, dtype=torch.long, device=device)
     try:
         with torch.no_grad(), _implementation(model):
             out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=logits_to_keep,
@@ -259,5 +272,5 @@ def run_rows(model, rows: list[Row], workspace: StepWorkspace | None = None) -> 
     finally:
         if own:
             workspace.clear()
-    logits = out.logits[0].float() if keep else out.logits[0, :0].float()  # [R, V]
+    logits = out.logits[0].float()  # [R, V]
     return Output(logits, batch.failed)

@@ -41,6 +41,8 @@ and attention call (``batch.PackedCache``).
 Memory: ``nbytes`` is the workspace's tensors, all of it lent: each lent cache's ``nbytes()``
 reports its slot (``[1, Hkv, C, D]`` per layer), so no second copy of the K/V is kept; the
 overhead is the padding of every slot to the longest row (rounded up to 128 tokens, grown 1.5x).
+A lent buffer is marked (``Buffer.lent``): a fork of its cache (the ``n`` choices of a request)
+allocates the room its tokens take in memory of their own, not its slot's padded capacity.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class _Space:
             self.keys[s, :, :n] = buf.keys[0, :, buf.start:buf.end]
             self.values[s, :, :n] = buf.values[0, :, buf.start:buf.end]
         kv, vv = self.keys.narrow(0, s, 1), self.values.narrow(0, s, 1)  # [1, Hkv, C, D]
-        buf.lend(kv, vv, n)
+        buf.lend(kv, vv, n)  # (marked lent: a copy of it, a fork, allocates its own room, not the slot's padding)
         self.lent[s] = (buf, kv, vv)
 
     def give_back(self, s: int) -> None:
