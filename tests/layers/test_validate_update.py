@@ -126,7 +126,16 @@ def test_an_update_is_checked_once_and_the_chain_trusts_it(name, monkeypatch):
             return real(*args, **kwargs)
         return check
 
+    def passing(where, real):  # the decode step's fast check: counted when it lets the update through
+        def check(*args, **kwargs):
+            ok = real(*args, **kwargs)
+            if ok:
+                calls.append(where)
+            return ok
+        return check
+
     monkeypatch.setattr(tiercache.cache.tiered, "check_update", counting("cache", tiercache.cache.tiered.check_update))
+    monkeypatch.setattr(tiercache.cache.tiered, "takes_update", passing("cache", tiercache.cache.tiered.takes_update))
     monkeypatch.setattr(tiercache.layers.base, "check_update", counting("layer", tiercache.layers.base.check_update))
     cache = build("mistral", name)
     write([cache], PREFILL, 0)

@@ -35,7 +35,7 @@ from tiercache.planner.cross_attention import check_supported, cross_layer_polic
 from tiercache.cache.layer_roles import LayerRoles
 from tiercache.errors import CacheError
 from tiercache.layers.base import KVLayer
-from tiercache.layers.validate import check_layer_index, check_room, check_update
+from tiercache.layers.validate import check_layer_index, check_room, check_update, takes_update
 from tiercache.models.spec import ModelSpec, model_type_of, spec_of
 from tiercache.policy.schema import Policy, load_policy
 
@@ -97,8 +97,20 @@ class TieredCache(Cache):
     # -- the write path --------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Checked once, here (``tiercache.layers.validate``), then appended to the chain, which
-        trusts it. A decode step costs a set lookup and the layout check; the room of the bounded
-        layers (static storage) is checked at a forward's first write, and per layer for them only."""
+        trusts it. A decode step of a layer with no room to check (``_plain``) costs a set lookup
+        and the layout check (``takes_update``: the layout takes the pair); anything else takes
+        ``_update``: the room of the bounded layers (static storage) is checked at a forward's
+        first write, and per layer for them only; input the layout does not take is explained."""
+        if type(layer_idx) is int and layer_idx in self._plain:
+            layer = self.layers[layer_idx]
+            if takes_update(layer, key_states, value_states):
+                try:
+                    return layer.append(key_states, value_states)
+                except CacheError as e:
+                    raise CacheError(f"layer {layer_idx}: {e}") from e
+        return self._update(key_states, value_states, layer_idx)
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx):
         if type(layer_idx) is not int or layer_idx not in self._roles.writable:
             self._layer(layer_idx)  # CacheError: not a layer index of this cache
             self._roles.check_update(layer_idx)  # CacheError: a KV-sharing placeholder
@@ -121,6 +133,10 @@ class TieredCache(Cache):
         self._bounded = {i: layers[i] for i in roles.kv_layers
                          if not layers[i].is_sliding and layers[i].max_length() > 0}  # static storage: has a room
         self._sliding = [layer.is_sliding and i not in roles for i, layer in enumerate(layers)]
+        # The layers whose update has no room to check: the writable ones not bounded, but for the
+        # forward's first write when some layer is (it checks the room of all of them).
+        self._plain = frozenset(i for i in roles.writable if i not in self._bounded
+                                and not (i == roles.first and self._bounded))
 
     # -- what transformers asks ------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

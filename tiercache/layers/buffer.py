@@ -20,6 +20,16 @@ the held tokens in (so a loaded buffer reports the same ``nbytes()``). A buffer 
 *lent* memory (``lent``: views of a step workspace's slot, ``tiercache.serve.workspace``) reports
 ``own_capacity()`` instead: the room its tokens take in memory of their own, so a copy of it (a
 fork) allocates that, never the workspace's padding.
+
+The decode step (``append_view``: one token appended, every held token returned) is the hot path
+of a model's forward, once per layer: it makes four torch calls, the fewest the write allows.
+Each tensor takes its token with one ``index_copy_`` (no destination view to make first), at a
+one-element position tensor shared by every buffer on that device (``_Positions``: the layers of
+a step write at the same position, so it is made once per step), and is read back with one
+``as_strided`` of the geometry kept at allocation (``_bind``). Anything else (several tokens, a
+full buffer, a dropped front, memory on another device than the tokens) takes ``append`` and
+``view``: ``narrow`` and ``copy_``. Memory lent by another owner (the serve workspace's slots)
+comes and goes through ``lend`` / ``detach``, so the kept geometry follows it.
 """
 
 from __future__ import annotations
@@ -34,6 +44,35 @@ from tiercache.layers.spec import KVSpec
 from tiercache.layers.state import field, held_pair, spec_from, spec_state
 from tiercache.layers.tiers import nbytes_of
 
+
+class _Positions(dict):
+    """``positions[i]``: a one-element int64 tensor holding ``i`` on one device (the index of a
+    one-token ``index_copy_``), made on first use and kept while few are: the buffers of one
+    model's layers write their decode step's token at the same position."""
+
+    KEEP = 64
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __missing__(self, i: int) -> torch.Tensor:
+        if len(self) >= self.KEEP:
+            self.clear()
+        at = self[i] = torch.tensor([i], device=self.device)
+        return at
+
+
+_POSITIONS: dict[torch.device, _Positions] = {}  # one per device
+
+
+def _positions(device: torch.device) -> _Positions:
+    table = _POSITIONS.get(device)
+    if table is None:
+        table = _POSITIONS[device] = _Positions(device)
+    return table
+
+
 class Buffer:
     def __init__(self, tier, chunk: int = CHUNK, geometric: bool = False):
         self.tier = tier
@@ -46,6 +85,7 @@ class Buffer:
         self.start = 0
         self.end = 0
         self.lent = False  # keys / values are views of memory it does not own (a workspace slot)
+        self._geometry = None  # (capacity, B, H, Dk, Dv, key stride, value stride, positions): see _bind
 
     # -- reading ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -122,6 +162,19 @@ class Buffer:
         self.values.narrow(2, end, t).copy_(value, True)
         self.end = end + t
 
+    def append_view(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``append(key, value)`` then ``view()``: the decode step's path (module docstring)."""
+        end, geometry = self.end, self._geometry
+        if geometry is None or key.shape[2] != 1 or self.start or end >= geometry[0]:
+            self.append(key, value)
+            return self.view()
+        _, b, h, dk, dv, ks, vs, positions = geometry
+        at = positions[end]
+        keys = self.keys.index_copy_(2, at, key)
+        values = self.values.index_copy_(2, at, value)
+        self.end = n = end + 1
+        return keys.as_strided((b, h, n, dk), ks), values.as_strided((b, h, n, dv), vs)  # [B, H, n, D]
+
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` held tokens in all: the next allocation (now, when tokens are held)
         takes ``capacity_for(tokens)``, so appends up to it copy nothing. The largest asked stays
@@ -159,6 +212,21 @@ class Buffer:
     def clear(self) -> None:
         self._replace(None, None)
         self.spec = None
+
+    def lend(self, keys: torch.Tensor, values: torch.Tensor, held: int) -> None:
+        """Hold the first ``held`` tokens of memory another owns (``[B, H, C, D]`` views of the
+        spec's layout: a serve workspace slot), in place of this buffer's own; nothing is freed.
+        It is ``lent`` until it has memory of its own again (or none)."""
+        self.keys, self.values, self.start, self.end = keys, values, 0, held
+        self.lent = True  # a copy of it (a fork) allocates its own room, not the lender's padding
+        self._bind()
+
+    def detach(self) -> None:
+        """Let go of lent memory holding no token: no memory, the spec kept (nothing is freed)."""
+        self.keys = self.values = None
+        self.start = self.end = 0
+        self.lent = False
+        self._bind()
 
     # -- internals ----------------------------------------------------------------------------
     def _make_room(self, key: torch.Tensor, value: torch.Tensor, more: int) -> None:
@@ -210,6 +278,19 @@ class Buffer:
                 self.tier.free(t)
         if keys is None:
             self.start = self.end = 0
+        self._bind()
+
+    def _bind(self) -> None:
+        """Keep what ``append_view`` needs of the memory now held: capacity, batch, heads, head
+        dims and strides (its ``as_strided`` views), and the position table of the memory's
+        device. None (``append`` and ``view`` then) without memory, or when the tokens do not
+        arrive on the memory's device in its dtype (the layout's): ``index_copy_`` cannot take them."""
+        k, v, spec = self.keys, self.values, self.spec
+        if k is None or spec is None or not (spec.device == k.device == v.device and spec.dtype == k.dtype == v.dtype):
+            self._geometry = None
+            return
+        b, h, capacity, dk = k.shape
+        self._geometry = (capacity, b, h, dk, v.shape[3], k.stride(), v.stride(), _positions(k.device))
 
 
 class BufferedLayer(KVLayer):

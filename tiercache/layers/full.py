@@ -17,8 +17,7 @@ class FullLayer(BufferedLayer):
         self.tier = self.buffer.tier
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.buffer.append(key, value)
-        return self.buffer.view()  # [B, H, S, D] views
+        return self.buffer.append_view(key, value)  # [B, H, S, D] views
 
     def seq_length(self) -> int:
         return len(self.buffer)

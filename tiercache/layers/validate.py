@@ -13,6 +13,9 @@
         - the room: a bounded layer that does not slide (static storage, quantized or not,
           offloaded or not: ``max_length() > 0``) must have room for ``T`` more tokens
           (``room=False``: the caller knows the layer is not bounded; the cache's table says it).
+    takes_update(layer, key, value) -> bool
+        The decode step's form of ``check_update(model=True, room=False)``: True when it would
+        pass on its fast path (the held layout takes the pair); the cache then appends at once.
     check_layer_index(layer_idx, n, model_name)
         The cache's: ``layer_idx`` is an int in ``0..n-1`` (``n`` layers built for ``model_name``).
     check_room(layers, t)
@@ -25,7 +28,9 @@
 
 Who calls it (the design). ``TieredCache.update`` calls ``check_update`` once, on the chain of
 ``layer_idx`` (after the index and KV-sharing placeholders are checked; a refusal names the
-layer), then ``check_room`` on a forward's first write, then ``layer.append(key, value)``.
+layer), then ``check_room`` on a forward's first write, then ``layer.append(key, value)``; for a
+layer with no room to check whose layout takes the pair (``takes_update``: a decode step), it
+appends at once.
 ``KVLayer.update`` (a layer used on its own, as tests do) is ``check_update(self, ...)`` then
 ``self.append(...)``: the same checks, once, at the outermost layer called. ``append`` trusts
 its input: a processor appends to the layer it wraps (``inner.append``, ``store.append``) what
@@ -53,6 +58,14 @@ _FIELDS = (
     ("dtype", "dtype"),
     ("device", "device"),
 )
+
+
+def takes_update(layer, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """The decode step's check, with no room to check: whether ``layer`` holds a layout of a
+    model's (floating-point) K/V that the pair matches (``check_update(model=True, room=False)``
+    passes exactly then; when False, it says what is wrong, if anything)."""
+    held = layer.layout()
+    return held is not None and held.dtype.is_floating_point and held.takes(key, value)
 
 
 def check_update(layer, key: torch.Tensor, value: torch.Tensor, model: bool = False, room: bool = True) -> None:

@@ -103,8 +103,7 @@ class _Space:
             self.keys[s, :, :n] = buf.keys[0, :, buf.start:buf.end]
             self.values[s, :, :n] = buf.values[0, :, buf.start:buf.end]
         kv, vv = self.keys.narrow(0, s, 1), self.values.narrow(0, s, 1)  # [1, Hkv, C, D]
-        buf.keys, buf.values, buf.start, buf.end = kv, vv, 0, n
-        buf.lent = True  # a copy of it (a fork) allocates its own room, not the slot's padding
+        buf.lend(kv, vv, n)  # (marked lent: a copy of it, a fork, allocates its own room, not the slot's padding)
         self.lent[s] = (buf, kv, vv)
 
     def give_back(self, s: int) -> None:
@@ -116,9 +115,7 @@ class _Space:
                 k, v = buf.view()  # [1, Hkv, n, D] views of the slot, alive while copied
                 buf.ingest(k, v, buf.spec)
             else:
-                buf.keys = buf.values = None
-                buf.start = buf.end = 0
-                buf.lent = False
+                buf.detach()
 
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
