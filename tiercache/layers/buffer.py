@@ -48,18 +48,24 @@ from tiercache.layers.tiers import nbytes_of
 class _Positions(dict):
     """``positions[i]``: a one-element int64 tensor holding ``i`` on one device (the index of a
     one-token ``index_copy_``), made on first use and kept while few are: the buffers of one
-    model's layers write their decode step's token at the same position."""
+    model's layers write their decode step's token at the same position. Each is a view of a
+    ``torch.arange`` made on the device (``[n]``, doubled when a position passes it), never a
+    tensor copied from the host: on CUDA such a copy from pageable memory would wait for the
+    device once per decode step."""
 
     KEEP = 64
 
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = device
+        self.table = torch.arange(0, dtype=torch.long, device=device)  # [n]: 0 .. n-1
 
     def __missing__(self, i: int) -> torch.Tensor:
         if len(self) >= self.KEEP:
             self.clear()
-        at = self[i] = torch.tensor([i], device=self.device)
+        if i >= len(self.table):
+            self.table = torch.arange(max(2 * len(self.table), i + 1, 256), dtype=torch.long, device=self.device)
+        at = self[i] = self.table.narrow(0, i, 1)
         return at
 
 
