@@ -7,9 +7,10 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TORCH_STAMP := $(VENV)/.torch
 STAMP := $(VENV)/.installed
-# no bytecode compiled at install: Python writes it on first import, for the modules a run imports
-# (about a third of the venv's ~20,000 files; compiling them all took ~70 s of CPU at install)
-PIP := -m pip install -q --no-compile
+# bytecode compiled at install (~70 s of CPU, beside the other set-up steps): where Python may not
+# write it on import (PYTHONDONTWRITEBYTECODE, as CI sets it; a read-only venv) every process would
+# otherwise compile all it imports (torch, transformers) again, ~10 s of CPU each
+PIP := -m pip install -q
 
 # a venv shaped like the GPU machine's image (transformers 5.17, torch + triton, no serving / quanto /
 # hqq / redis packages): tests/bench/test_gpu_quick.py runs `bench/gpu_quick.sh --dry-run` there
