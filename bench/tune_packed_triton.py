@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
-import time
 
 
 def parse(argv=None):
@@ -56,7 +54,7 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("tune_packed_triton: no CUDA device; nothing to tune (--dry-run runs it on the CPU)")
         return 0
-    from bench.bench_packed_triton import quantized_layer
+    from bench.bench_packed_triton import quantized_layer, timed
     from tiercache.quantize import packed_triton
 
     device = torch.device("cuda" if not args.dry_run else "cpu")
@@ -66,23 +64,10 @@ def main(argv=None) -> int:
     layer_args = argparse.Namespace(group=shape["group"], residual=shape["residual"])
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     shipped = (dict(packed_triton.LAUNCH), packed_triton._default_splits)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu (interpreter)'}, "
           f"{sms} SMs; batch {args.batch}, {shape['heads']} query heads on {shape['kv_heads']} K/V heads, "
           f"head dim {shape['head_dim']}, {dtype}, groups of {shape['group']}; median of {args.repeats} x {args.iters} calls")
     print(f"shipped: {shipped[0]}, splits by packed_triton._default_splits\n")
-
-    def timed(fn) -> float:
-        fn()
-        sync()
-        runs = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                fn()
-            sync()
-            runs.append((time.perf_counter() - t0) * 1e3 / args.iters)
-        return statistics.median(runs)
 
     def use(launch, splitter):
         packed_triton.LAUNCH.clear()
@@ -113,14 +98,14 @@ def main(argv=None) -> int:
 
             use(*shipped)
             ref = attn().float()
-            base = timed(attn)
+            base = timed(attn, args, device)
             rows = []
             for per_sm, mb, w, st in itertools.product(_ints(args.per_sm), _ints(args.min_blocks),
                                                       _ints(args.warps), _ints(args.stages)):
                 use({**shipped[0], "num_warps": w, "num_stages": st}, splitter_for(per_sm, mb))
                 try:
                     diff = (attn().float() - ref).abs().max().item()
-                    ms = timed(attn)
+                    ms = timed(attn, args, device)
                 except Exception as e:  # a setting the GPU cannot launch (shared memory, registers)
                     rows.append((float("inf"), per_sm, mb, w, st, f"does not run: {type(e).__name__}", None))
                     continue
