@@ -3,8 +3,9 @@
 Every bad input is refused with a ``CacheError`` that names the layer and what is allowed, and
 the cache is left exactly as it was: its state equals that of a twin cache that never saw the
 bad input, and the next valid update returns the same tensors as the twin's (and, at full
-precision, as transformers' ``DynamicCache``). Policies: sliding (Mistral: every layer slides;
-Gemma 2: sliding and full layers), quantized, offloaded, both, static.
+precision, as transformers' ``DynamicCache``). Policies: full precision (Llama: every layer
+``full``, whose decode step writes first and lets torch refuse), sliding (Mistral: every layer
+slides; Gemma 2: sliding and full layers), quantized, offloaded, both, static.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tiercache import CacheError, TieredCache
 B, PREFILL = 2, 7
 Q = {"bits": 4, "group_size": 4, "residual_length": 6}
 POLICIES = {
+    "full": {},
     "sliding": {},
     "int4": {"quantize": Q},
     "host": {"offload": {"device": "cpu"}},
@@ -28,7 +30,7 @@ POLICIES = {
     "static": {"storage": "static", "max_length": 16},
     "static-int4-host": {"storage": "static", "max_length": 16, "quantize": Q, "offload": {"device": "cpu"}},
 }
-GRID = [(m, p) for m in ("mistral", "gemma2") for p in POLICIES]
+GRID = [(m, p) for m in ("mistral", "gemma2") for p in POLICIES] + [("llama", "full")]  # llama: no layer slides
 
 
 def pair(h, dk, dv, t=1, batch=B, dtype=torch.float32, device="cpu", seed=0):
@@ -92,11 +94,11 @@ def test_each_bad_update_is_refused_and_leaves_the_cache_unchanged(model, name):
         with pytest.raises(CacheError, match=f"layer_idx {message}|layer_idx .*{message}"):
             cache.update(*pair(*cache.model.kv_shape(0)), bad_index)
     same_state(cache, twin)
-    for outs in write([cache, twin, ref], 3, 50):  # goes on exactly as a cache that never saw them
-        (k, v), (k2, v2), (k3, v3) = outs
-        assert torch.equal(k, k2) and torch.equal(v, v2)
-        if full_precision and not name.startswith("static"):  # static returns its held tokens only (not padded)
-            assert torch.equal(k, k3) and torch.equal(v, v3)
+    for t, seed in ((3, 50), (1, 60)):  # goes on exactly as a cache that never saw them (a decode step last)
+        for (k, v), (k2, v2), (k3, v3) in write([cache, twin, ref], t, seed):
+            assert torch.equal(k, k2) and torch.equal(v, v2)
+            if full_precision and not name.startswith("static"):  # static returns its held tokens only (not padded)
+                assert torch.equal(k, k3) and torch.equal(v, v3)
 
 
 @pytest.mark.parametrize("model", ["llama", "gemma2"])  # gemma2: layer 0 slides, layer 1 is bounded
@@ -150,3 +152,32 @@ def test_an_update_is_checked_once_and_the_chain_trusts_it(name, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(before, layer.kv()))
     layer.update(*pair(h, dk, dv))
     assert calls == ["layer", "layer"]
+
+
+def test_a_full_layers_decode_step_is_written_without_a_check_of_ours(monkeypatch):
+    """Full-precision ``full`` layers take a decode step's token by ``FullLayer.step`` before any
+    check of the cache (torch's ``index_copy_`` refuses a pair of another layout); a refused pair
+    then takes the checks, which explain it."""
+    calls = []
+
+    def counting(real):
+        def check(*args, **kwargs):
+            calls.append(real.__name__)
+            return real(*args, **kwargs)
+        return check
+
+    for name in ("check_update", "takes_update"):
+        monkeypatch.setattr(tiercache.cache.tiered, name, counting(getattr(tiercache.cache.tiered, name)))
+    cache, ref = build("llama", "full"), DynamicCache(config=models._config("llama")[0])
+    write([cache, ref], PREFILL, 0)
+    calls.clear()
+    for (k, v), (k2, v2) in write([cache, ref], 1, 5):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert calls == []
+    h, dk, dv = cache.model.kv_shape(0)
+    key, value = pair(h, dk, dv)
+    with pytest.raises(CacheError, match="^layer 0: value head dim: the layer holds"):
+        cache.update(key, value[..., :-1], 0)  # the key is written, the value refused: not counted
+    assert calls and cache.get_seq_length() == PREFILL + 1
+    for (k, v), (k2, v2) in write([cache, ref], 1, 9):
+        assert torch.equal(k, k2) and torch.equal(v, v2)

@@ -98,10 +98,20 @@ class TieredCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Checked once, here (``tiercache.layers.validate``), then appended to the chain, which
         trusts it. A decode step of a layer with no room to check (``_plain``) costs a set lookup
-        and the layout check (``takes_update``: the layout takes the pair); anything else takes
+        and the layout check (``takes_update``: the layout takes the pair), or for a ``full``
+        layer (``_steps``) only its write, whose ``index_copy_`` refuses what the layout would
+        not take (then checked here, to say why); anything else takes
         ``_update``: the room of the bounded layers (static storage) is checked at a forward's
         first write, and per layer for them only; input the layout does not take is explained."""
         if type(layer_idx) is int and layer_idx in self._plain:
+            step = self._steps.get(layer_idx)
+            if step is not None and type(key_states) is torch.Tensor and type(value_states) is torch.Tensor:
+                try:
+                    out = step(key_states, value_states)
+                except (RuntimeError, IndexError):  # torch refused the pair: the checks below say why
+                    out = None
+                if out is not None:
+                    return out
             layer = self.layers[layer_idx]
             if takes_update(layer, key_states, value_states):
                 try:
@@ -137,6 +147,8 @@ class TieredCache(Cache):
         # forward's first write when some layer is (it checks the room of all of them).
         self._plain = frozenset(i for i in roles.writable if i not in self._bounded
                                 and not (i == roles.first and self._bounded))
+        # Of those, the layers that write a decode step's token with torch's checks alone (FullLayer.step)
+        self._steps = {i: step for i in self._plain if (step := getattr(layers[i], "step", None)) is not None}
 
     # -- what transformers asks ------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -21,8 +21,9 @@ the held tokens in (so a loaded buffer reports the same ``nbytes()``). A buffer 
 ``own_capacity()`` instead: the room its tokens take in memory of their own, so a copy of it (a
 fork) allocates that, never the workspace's padding.
 
-The decode step (``append_view``: one token appended, every held token returned) is the hot path
-of a model's forward, once per layer: it makes four torch calls, the fewest the write allows.
+The decode step (``append_view``; ``step``, the same write with no check before it, for the
+cache's ``full`` layers) is the hot path of a model's forward, once per layer: it makes four torch
+calls, the fewest the write allows.
 Each tensor takes its token with one ``index_copy_`` (no destination view to make first), at a
 one-element position tensor shared by every buffer on that device (``_Positions``: the layers of
 a step write at the same position, so it is made once per step), and is read back with one
@@ -170,10 +171,22 @@ class Buffer:
 
     def append_view(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``append(key, value)`` then ``view()``: the decode step's path (module docstring)."""
-        end, geometry = self.end, self._geometry
-        if geometry is None or key.shape[2] != 1 or self.start or end >= geometry[0]:
+        out = self.step(key, value) if key.shape[2] == 1 else None
+        if out is None:
             self.append(key, value)
             return self.view()
+        return out
+
+    def step(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The one-token write of ``append_view`` into spare room, checked by torch alone: ``None``
+        (nothing written) where there is no room, a front is dropped or nothing is allocated yet.
+        ``index_copy_`` takes only a source of exactly the held layout's shape with one token
+        (same batch, heads, head dim), dtype and device, and raises otherwise, before this buffer
+        counts the token (a key written before a refused value lies past ``end``: never read), so
+        the cache's decode step can write first and explain a refusal afterwards."""
+        end, geometry = self.end, self._geometry
+        if geometry is None or self.start or end >= geometry[0]:
+            return None
         _, b, h, dk, dv, ks, vs, positions = geometry
         at = positions[end]
         keys = self.keys.index_copy_(2, at, key)

@@ -11,10 +11,16 @@ from tiercache.layers.tiers import ComputeTier
 
 
 class FullLayer(BufferedLayer):
+    """``step(key, value)``: the buffer's unchecked one-token write (``Buffer.step``; ``None`` when
+    it cannot take the token there), which ``TieredCache.update`` calls before any check of its own
+    (torch's ``index_copy_`` refuses a pair of another layout). Only this layer has it: a wrapper's
+    ``append`` does more than write."""
+
     def __init__(self, tier=None, chunk: int = CHUNK, geometric: bool = True):
         # chunk: capacity unit (tokens); geometric: regrow on capacity.grown_capacity's ladder
         self.buffer = Buffer(tier or ComputeTier(), chunk, geometric)
         self.tier = self.buffer.tier
+        self.step = self.buffer.step
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.buffer.append_view(key, value)  # [B, H, S, D] views

@@ -30,7 +30,9 @@ Who calls it (the design). ``TieredCache.update`` calls ``check_update`` once, o
 ``layer_idx`` (after the index and KV-sharing placeholders are checked; a refusal names the
 layer), then ``check_room`` on a forward's first write, then ``layer.append(key, value)``; for a
 layer with no room to check whose layout takes the pair (``takes_update``: a decode step), it
-appends at once.
+appends at once. A ``full`` layer's decode step comes before even that: ``FullLayer.step`` writes
+the token with ``index_copy_``, which takes only a source of the held shape, dtype and device (the
+checks of ``takes_update``, made by torch); a pair it refuses comes here, which says why.
 ``KVLayer.update`` (a layer used on its own, as tests do) is ``check_update(self, ...)`` then
 ``self.append(...)``: the same checks, once, at the outermost layer called. ``append`` trusts
 its input: a processor appends to the layer it wraps (``inner.append``, ``store.append``) what
