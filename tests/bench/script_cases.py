@@ -27,6 +27,8 @@ SCRIPTS = [
                   "tiercache gaps (0): none"], id="family-sweep"),
     pytest.param("bench_first_run_rss.py", ["--model", "tiny", "--context", "300", "--new", "4", "--scenarios", "fresh"],
                  ["| fresh | ", "ratio fresh: ", "x | ", "| yes |"], id="first-run-rss"),
+    pytest.param("bench_step_overhead.py", ["--layers", "3", "--steps", "5", "--warmup", "1", "--context", "16"],
+                 ["| layers | TieredCache ms/step (median) |", "| 3 | "], id="step-overhead"),
     pytest.param("bench_core.py", ["--prompt", "96", "--new", "6", "--repeats", "1"],
                  ["ratio TieredCache / DynamicCache", "identical tokens: True", "| TieredCache (full) |"], id="core"),
     pytest.param("bench_quantize.py", ["--prompt", "160", "--new", "4", "--group", "32", "--residual", "32"],
@@ -84,7 +86,7 @@ SCRIPTS = [
 
 
 GROUPS = {
-    "core": ["family-sweep", "first-run-rss", "core", "quantize", "offload", "memory", "regrow", "packed-triton", "tune-packed-triton"],
+    "core": ["family-sweep", "first-run-rss", "step-overhead", "core", "quantize", "offload", "memory", "regrow", "packed-triton", "tune-packed-triton"],
     "serving": ["serve", "load", "serve-load", "lifecycle"],
     "quality": ["real", "explore-schemes", "retrieval", "retrieval-needle-attention"],
 }
