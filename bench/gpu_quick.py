@@ -29,8 +29,11 @@ own dependencies are imported: the device image has no serving, quanto, hqq or r
   prefetch, batch 2, decoding from just before a 256-token boundary across several: per-step times
   (histogram: median, p90, max; the steps that cross a boundary marked), the offload counters
   (``host_waits``, bytes each way per token), ``memory_allocated`` / ``memory_reserved`` at the
-  end and their peaks. A regrowth that copies or fragments shows as slow boundary steps and a
-  reserved / allocated ratio far above 1.
+  end and their peaks (the model's float32 blocks emptied first: its weights are made in float32,
+  then cast), and the caching allocator's counters during the run (``num_alloc_retries``: a
+  request that had to free cached blocks first, and ``cudaMalloc`` / ``cudaFree`` calls). A
+  regrowth that copies or fragments shows as slow boundary steps and a reserved / allocated ratio
+  far above 1.
 """
 
 from __future__ import annotations
@@ -290,7 +293,12 @@ def cmd_offload(args) -> int:
     cache = tiercache.TieredCache.from_policy(policy, config)
     times, lengths = [], []
     if device.type == "cuda":
+        # the weights are made in float32, then cast: the caching allocator keeps the float32 blocks
+        # reserved unless emptied, which is the model's memory, not the run's
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        weights = torch.cuda.memory_allocated()
+        before = torch.cuda.memory_stats()
     with torch.no_grad():
         out = model(ids, **cache_arg(cache), use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
@@ -316,9 +324,14 @@ def cmd_offload(args) -> int:
     print(f"- host_waits {stats['host_waits']}; bytes to the device per token {stats['bytes_h2d'] / per_tok:,.0f}; "
           f"to the host {stats['bytes_d2h'] / per_tok:,.0f}; fetches {stats['fetches']}")
     if device.type == "cuda":
-        print(f"- memory_allocated {torch.cuda.memory_allocated() / 2**20:.1f} MiB, memory_reserved "
-              f"{torch.cuda.memory_reserved() / 2**20:.1f} MiB; peaks {torch.cuda.max_memory_allocated() / 2**20:.1f} / "
-              f"{torch.cuda.max_memory_reserved() / 2**20:.1f} MiB")
+        after = torch.cuda.memory_stats()
+        print(f"- memory_allocated {torch.cuda.memory_allocated() / 2**20:.1f} MiB (of it the model's weights "
+              f"{weights / 2**20:.1f} MiB), memory_reserved {torch.cuda.memory_reserved() / 2**20:.1f} MiB; peaks "
+              f"{torch.cuda.max_memory_allocated() / 2**20:.1f} / {torch.cuda.max_memory_reserved() / 2**20:.1f} MiB "
+              f"(reserved / allocated at the peak {torch.cuda.max_memory_reserved() / torch.cuda.max_memory_allocated():.2f})")
+        print("- the caching allocator during the run: "
+              + ", ".join(f"{k} {after.get(k, 0) - before.get(k, 0)}" for k in
+                          ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")))
     print(f"- cache bytes per place: {cache.nbytes()}")
     return 0
 
