@@ -33,12 +33,15 @@ own dependencies are imported: the device image has no serving, quanto, hqq or r
   then cast), and the caching allocator's counters during the run (``num_alloc_retries``: a
   request that had to free cached blocks first, and ``cudaMalloc`` / ``cudaFree`` calls). A
   regrowth that copies or fragments shows as slow boundary steps and a reserved / allocated ratio
-  far above 1.
+  far above 1. Each step over 3x the median is listed with the CPU time this thread spent in it
+  and the garbage collections' share: a stall with little CPU waits on something (the device, a
+  lock, the host), one with CPU is Python or host work.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import statistics
 import sys
@@ -299,17 +302,31 @@ def cmd_offload(args) -> int:
         torch.cuda.reset_peak_memory_stats()
         weights = torch.cuda.memory_allocated()
         before = torch.cuda.memory_stats()
+    gc_ms = [0.0]  # the interpreter's garbage collections, timed (a step's share says whether they stall it)
+
+    def gc_timer(phase, info, started=[0.0]):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            gc_ms[0] += (time.perf_counter() - started[0]) * 1e3
+
+    gc.callbacks.append(gc_timer)
+    cpu, gcs, waits = [], [], []
     with torch.no_grad():
         out = model(ids, **cache_arg(cache), use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         sync(device)
         for _ in range(new):
-            t0 = time.perf_counter()
+            t0, c0, g0, w0 = time.perf_counter(), time.thread_time(), gc_ms[0], cache.offload_stats()["host_waits"]
             out = model(nxt, **cache_arg(cache), use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
             sync(device)
             times.append((time.perf_counter() - t0) * 1e3)
+            cpu.append((time.thread_time() - c0) * 1e3)
+            gcs.append(gc_ms[0] - g0)
+            waits.append(cache.offload_stats()["host_waits"] - w0)
             lengths.append(cache.get_seq_length())
+    gc.callbacks.remove(gc_timer)
     stats = cache.offload_stats()
     cross = [t for t, n in zip(times, lengths) if n % 256 == 0]
     steady = [t for t, n in zip(times, lengths) if n % 256 != 0][2:]
@@ -320,6 +337,10 @@ def cmd_offload(args) -> int:
           f"steps at a 256-token boundary: {', '.join(f'{t:.2f}' for t in cross) or 'none'}")
     hist = _histogram(times)
     print("- histogram (ms: steps): " + "; ".join(f"{lo:.2f}-{hi:.2f}: {c}" for lo, hi, c in hist))
+    slow = [i for i, t in enumerate(times) if t > 3 * statistics.median(q)]
+    print("- steps over 3x the median (wall / this thread's CPU / garbage collection ms, host waits, tokens): "
+          + ("; ".join(f"{times[i]:.0f} / {cpu[i]:.0f} / {gcs[i]:.0f}, {waits[i]}, {lengths[i]}" for i in slow)
+             or "none") + f"; a median step's CPU {statistics.median(cpu):.1f} ms")
     per_tok = max(1, new)
     print(f"- host_waits {stats['host_waits']}; bytes to the device per token {stats['bytes_h2d'] / per_tok:,.0f}; "
           f"to the host {stats['bytes_d2h'] / per_tok:,.0f}; fetches {stats['fetches']}")
