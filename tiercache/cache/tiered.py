@@ -103,15 +103,17 @@ class TieredCache(Cache):
         not take (then checked here, to say why); anything else takes
         ``_update``: the room of the bounded layers (static storage) is checked at a forward's
         first write, and per layer for them only; input the layout does not take is explained."""
-        if type(layer_idx) is int and layer_idx in self._plain:
-            step = self._steps.get(layer_idx)
-            if step is not None and type(key_states) is torch.Tensor and type(value_states) is torch.Tensor:
-                try:
-                    out = step(key_states, value_states)
-                except (RuntimeError, IndexError):  # torch refused the pair: the checks below say why
-                    out = None
-                if out is not None:
-                    return out
+        if type(layer_idx) is not int:
+            return self._update(key_states, value_states, layer_idx)
+        step = self._steps.get(layer_idx)
+        if step is not None and type(key_states) is torch.Tensor and type(value_states) is torch.Tensor:
+            try:
+                out = step(key_states, value_states)
+            except (RuntimeError, IndexError):  # torch refused the pair: the checks below say why
+                out = None
+            if out is not None:
+                return out
+        if layer_idx in self._plain:
             layer = self.layers[layer_idx]
             if takes_update(layer, key_states, value_states):
                 try:
