@@ -69,6 +69,20 @@ def device_of(args):
     return torch.device("cuda")
 
 
+def random_llama(shape: dict, layers: int, positions: int, dtype, device):
+    """A seeded random Llama of ``shape`` (``SHAPE_8B`` / ``SHAPE_TINY``) with SDPA attention, made
+    on ``device`` and cast to ``dtype``: (config, model)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=positions, dtype=dtype, **shape)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    return config, model
+
+
 def sync(device) -> None:
     import torch
 
@@ -179,7 +193,7 @@ def profile_model(args, device) -> int:
     """Whole-model decode steps per cache: where a step's time goes (launches, CPU, GPU, top kernels)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
 
     import tiercache
     from tiercache.cache.compat import cache_arg
@@ -189,11 +203,7 @@ def profile_model(args, device) -> int:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     context = 256 if args.dry_run else args.context
     layers = 2 if args.dry_run else args.model_layers
-    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=context + 64, dtype=dtype, **shape)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
+    config, model = random_llama(shape, layers, context + 64, dtype, device)
     ids = torch.randint(3, shape["vocab_size"], (1, context), device=device)  # [1, T]
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     print(f"\n### Whole-model decode: random Llama, {layers} layers of the 8B shape, {dtype}, context {context}, "
@@ -275,7 +285,6 @@ def _plain(t):
 # -- offload -------------------------------------------------------------------------------------
 def cmd_offload(args) -> int:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import tiercache
     from tiercache.cache.compat import cache_arg
@@ -284,11 +293,7 @@ def cmd_offload(args) -> int:
     shape = SHAPE_TINY if args.dry_run else SHAPE_8B
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     layers = 2 if args.dry_run else args.layers
-    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=8192, dtype=dtype, **shape)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
+    config, model = random_llama(shape, layers, 8192, dtype, device)
     policy = {"name": "offload", "offload": {"device": "cpu", "prefetch": 1, "pin_memory": device.type == "cuda"}}
     start_len = 250  # just before the first 256-token boundary
     new = 40 if args.dry_run else args.new
@@ -302,13 +307,13 @@ def cmd_offload(args) -> int:
         torch.cuda.reset_peak_memory_stats()
         weights = torch.cuda.memory_allocated()
         before = torch.cuda.memory_stats()
-    gc_ms = [0.0]  # the interpreter's garbage collections, timed (a step's share says whether they stall it)
+    gc_ms, gc_start = [0.0], [0.0]  # the interpreter's garbage collections, timed (do they stall a step?)
 
-    def gc_timer(phase, info, started=[0.0]):
+    def gc_timer(phase, info):
         if phase == "start":
-            started[0] = time.perf_counter()
+            gc_start[0] = time.perf_counter()
         else:
-            gc_ms[0] += (time.perf_counter() - started[0]) * 1e3
+            gc_ms[0] += (time.perf_counter() - gc_start[0]) * 1e3
 
     gc.callbacks.append(gc_timer)
     cpu, gcs, waits = [], [], []
@@ -317,7 +322,8 @@ def cmd_offload(args) -> int:
         nxt = out.logits[:, -1:].argmax(-1)
         sync(device)
         for _ in range(new):
-            t0, c0, g0, w0 = time.perf_counter(), time.thread_time(), gc_ms[0], cache.offload_stats()["host_waits"]
+            w0 = cache.offload_stats()["host_waits"]  # (read outside the step's time)
+            t0, c0, g0 = time.perf_counter(), time.thread_time(), gc_ms[0]
             out = model(nxt, **cache_arg(cache), use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
             sync(device)

@@ -19,12 +19,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def sync(device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+from bench.gpu_quick import SHAPE_8B, SHAPE_TINY, random_llama, sync  # noqa: E402
 
 
 def layer_steps(device, dtype, context, steps, layout, heads=32, kv_heads=8, dim=128):
@@ -71,23 +66,14 @@ def layer_steps(device, dtype, context, steps, layout, heads=32, kv_heads=8, dim
 def whole_model(device, dtype, context, layers, steps, dry):
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
 
     import tiercache
     from tiercache.cache.compat import cache_arg
     from tiercache.cache.prefill import prefill
 
-    if dry:
-        shape = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64,
-                     intermediate_size=128, vocab_size=256)
-    else:
-        shape = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096,
-                     intermediate_size=14336, vocab_size=128256)
-    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=context + 64, dtype=dtype, **shape)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
+    shape = SHAPE_TINY if dry else SHAPE_8B
+    config, model = random_llama(shape, layers, context + 64, dtype, device)
     ids = torch.randint(3, shape["vocab_size"], (1, context), device=device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for cudnn in (True, False):
