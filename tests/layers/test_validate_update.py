@@ -71,6 +71,14 @@ def write(caches, t: int, seed: int):
     return outs
 
 
+def counted(calls: list, where: str, real):
+    """``real``, appending ``where`` to ``calls`` at each call."""
+    def check(*args, **kwargs):
+        calls.append(where)
+        return real(*args, **kwargs)
+    return check
+
+
 def same_state(a: TieredCache, b: TieredCache) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
@@ -122,12 +130,6 @@ def test_an_update_is_checked_once_and_the_chain_trusts_it(name, monkeypatch):
     check of their own. A layer used on its own checks once, at the outermost layer called."""
     calls = []
 
-    def counting(where, real):
-        def check(*args, **kwargs):
-            calls.append(where)
-            return real(*args, **kwargs)
-        return check
-
     def passing(where, real):  # the decode step's fast check: counted when it lets the update through
         def check(*args, **kwargs):
             ok = real(*args, **kwargs)
@@ -136,9 +138,9 @@ def test_an_update_is_checked_once_and_the_chain_trusts_it(name, monkeypatch):
             return ok
         return check
 
-    monkeypatch.setattr(tiercache.cache.tiered, "check_update", counting("cache", tiercache.cache.tiered.check_update))
+    monkeypatch.setattr(tiercache.cache.tiered, "check_update", counted(calls, "cache", tiercache.cache.tiered.check_update))
     monkeypatch.setattr(tiercache.cache.tiered, "takes_update", passing("cache", tiercache.cache.tiered.takes_update))
-    monkeypatch.setattr(tiercache.layers.base, "check_update", counting("layer", tiercache.layers.base.check_update))
+    monkeypatch.setattr(tiercache.layers.base, "check_update", counted(calls, "layer", tiercache.layers.base.check_update))
     cache = build("mistral", name)
     write([cache], PREFILL, 0)
     write([cache], 1, 3)
@@ -159,15 +161,8 @@ def test_a_full_layers_decode_step_is_written_without_a_check_of_ours(monkeypatc
     check of the cache (torch's ``index_copy_`` refuses a pair of another layout); a refused pair
     then takes the checks, which explain it."""
     calls = []
-
-    def counting(real):
-        def check(*args, **kwargs):
-            calls.append(real.__name__)
-            return real(*args, **kwargs)
-        return check
-
     for name in ("check_update", "takes_update"):
-        monkeypatch.setattr(tiercache.cache.tiered, name, counting(getattr(tiercache.cache.tiered, name)))
+        monkeypatch.setattr(tiercache.cache.tiered, name, counted(calls, name, getattr(tiercache.cache.tiered, name)))
     cache, ref = build("llama", "full"), DynamicCache(config=models._config("llama")[0])
     write([cache, ref], PREFILL, 0)
     calls.clear()
